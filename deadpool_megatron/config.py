@@ -1,0 +1,392 @@
+"""Every knob of a job as dataclasses whose fields carry their help text.
+
+Flags are derived mechanically from field names (``num_layers`` -> ``--num-layers``), the way
+megatron-core's ``ModelParallelConfig`` is meant to be read, so a flag and its documentation
+never drift apart. Validation happens once, in :func:`validate`, before any process group
+exists; it raises :class:`ConfigError` whose message names the bad value and what would be
+valid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+
+def knob(default: Any, help: str, *, choices: tuple | None = None, nargs: str | None = None):
+    """A dataclass field that becomes a command-line flag."""
+    meta = {"help": help, "choices": choices, "nargs": nargs}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = knob(1, "Degree of tensor model parallelism.")
+    pipeline_model_parallel_size: int = knob(1, "Degree of pipeline model parallelism.")
+    num_layers_per_virtual_pipeline_stage: int | None = knob(
+        None, "Layers per virtual pipeline stage; enables the interleaved 1F1B schedule."
+    )
+    use_distributed_optimizer: bool = knob(
+        False, "Shard the optimizer state across data-parallel ranks (ZeRO-1)."
+    )
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = knob(4, "Number of transformer layers.")
+    hidden_size: int = knob(64, "Transformer hidden size.")
+    num_attention_heads: int = knob(4, "Number of attention heads.")
+    ffn_hidden_size: int | None = knob(None, "MLP hidden size (default: 4 x hidden size).")
+    seq_length: int = knob(32, "Tokens per sample.")
+    max_position_embeddings: int | None = knob(
+        None, "Maximum sequence length the position embeddings cover (default: seq length)."
+    )
+    vocab_size: int = knob(
+        128, "Vocabulary size of the synthetic corpus and of the null/byte tokenizers."
+    )
+    position_embedding_type: str = knob(
+        "learned_absolute", "Position embedding type.", choices=("learned_absolute", "rope")
+    )
+    normalization: str = knob("LayerNorm", "Normalization layer.", choices=("LayerNorm", "RMSNorm"))
+    untie_embeddings_and_output_weights: bool = knob(
+        False, "Use separate input embedding and output weights."
+    )
+    hidden_dropout: float = knob(0.0, "Dropout probability after attention and MLP.")
+    attention_dropout: float = knob(0.0, "Dropout probability on attention scores.")
+    init_method_std: float = knob(0.02, "Standard deviation of the weight initialisation.")
+    transformer_impl: str = knob(
+        "auto",
+        "Layer implementation: transformer_engine needs TE and a GPU; auto picks it when both "
+        "are present, local otherwise.",
+        choices=("auto", "local", "transformer_engine"),
+    )
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = knob(2, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int = knob(16, "Samples per iteration across all data-parallel ranks.")
+    train_iters: int = knob(50, "Iterations to train.")
+    lr: float = knob(3e-3, "Peak learning rate.")
+    min_lr: float = knob(0.0, "Minimum learning rate at the end of decay.")
+    lr_decay_style: str = knob(
+        "cosine", "Learning-rate decay style.", choices=("constant", "linear", "cosine")
+    )
+    lr_warmup_iters: int = knob(0, "Iterations of linear warm-up.")
+    lr_decay_iters: int | None = knob(None, "Iterations to decay over (default: train iters).")
+    weight_decay: float = knob(0.01, "AdamW weight decay.")
+    adam_beta1: float = knob(0.9, "AdamW beta1.")
+    adam_beta2: float = knob(0.999, "AdamW beta2.")
+    adam_eps: float = knob(1e-8, "AdamW epsilon.")
+    clip_grad: float = knob(1.0, "Gradient clipping by global norm (0 disables).")
+    seed: int = knob(1234, "Random seed for initialisation, data and dropout.")
+    bf16: bool = knob(False, "Train in bfloat16 with fp32 main parameters.")
+    fp16: bool = knob(False, "Train in float16 with fp32 main parameters and loss scaling.")
+    initial_loss_scale: float = knob(2.0**16, "Initial dynamic loss scale for --fp16.")
+
+
+@dataclass
+class DataConfig:
+    data_path: list[str] = knob(
+        [], "Prefixes of Megatron indexed datasets (.bin/.idx), optionally weighted.", nargs="*"
+    )
+    mock_data: bool = knob(
+        False, "Use the deterministic synthetic corpus (also the default without --data-path)."
+    )
+    tokenizer_type: str = knob(
+        "NullTokenizer",
+        "Tokenizer of the indexed dataset: NullTokenizer (token ids as written) or "
+        "ByteLevelTokenizer (UTF-8 bytes, no download).",
+        choices=("NullTokenizer", "ByteLevelTokenizer"),
+    )
+    split: str = knob("100,0,0", "Train/valid/test split of --data-path, in weights.")
+    data_cache_path: str | None = knob(None, "Where dataset index caches are written.")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = knob(None, "Directory to write persistent checkpoints to.")
+    load: str | None = knob(None, "Directory to resume from (the newest complete checkpoint).")
+    save_interval: int | None = knob(None, "Iterations between persistent checkpoints.")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = knob(1, "Iterations between iteration log lines.")
+    metrics_jsonl: str | None = knob(
+        None, "Write one JSON object per iteration, and the final state digest, to this file."
+    )
+
+
+@dataclass
+class SystemConfig:
+    cpu: bool = knob(
+        False, "Force the CPU backend (gloo) even when a GPU is present; automatic without one."
+    )
+    distributed_timeout_minutes: float = knob(10.0, "Timeout of collectives, in minutes.")
+
+
+CONFIG_GROUPS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "model": ModelConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "system": SystemConfig,
+}
+
+
+@dataclass
+class JobConfig:
+    """The whole job: one instance per process, built from flags and validated once."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    system: SystemConfig = field(default_factory=SystemConfig)
+
+    def flat(self) -> dict[str, Any]:
+        """Every knob by its field name, for logging and checkpoint metadata."""
+        out: dict[str, Any] = {}
+        for group in CONFIG_GROUPS:
+            out.update(dataclasses.asdict(getattr(self, group)))
+        return out
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """`int | None` -> int, `list[str]` -> str."""
+    if isinstance(annotation, str):
+        annotation = eval(annotation, vars(typing), {})  # annotations are postponed strings
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is list:
+        return args[0]
+    if args:
+        return args[0]
+    return annotation
+
+
+_METAVARS = {int: "N", float: "X", str: "STR"}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per field of every config group, with the field's help text."""
+    for group_name, cls in CONFIG_GROUPS.items():
+        group = parser.add_argument_group(group_name)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kind = _base_type(f.type)
+            if kind is bool:
+                group.add_argument(
+                    _flag(f.name),
+                    action=argparse.BooleanOptionalAction,
+                    default=None,
+                    help=f"{meta['help']} (default: {default})",
+                )
+                continue
+            group.add_argument(
+                _flag(f.name),
+                type=kind,
+                default=None,
+                choices=meta["choices"],
+                nargs=meta["nargs"],
+                metavar=_METAVARS.get(kind, "STR") if meta["choices"] is None else None,
+                help=f"{meta['help']} (default: {default})",
+            )
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a YAML job file: a flat mapping of flag names (dashes or underscores) to values."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path!r}: no such file; pass a YAML file such as configs/demo.yaml")
+    with open(path) as fh:
+        raw = yaml.safe_load(fh) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path!r}: expected a mapping of flag names to values")
+    known = {f.name for cls in CONFIG_GROUPS.values() for f in dataclasses.fields(cls)}
+    out = {}
+    for key, value in raw.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in known and not name.startswith("deadpool"):
+            raise ConfigError(
+                f"--config {path!r}: unknown key {key!r}; keys are flag names, e.g. num-layers"
+            )
+        out[name] = value
+    return out
+
+
+def build_job_config(ns: argparse.Namespace, file_values: dict[str, Any] | None = None) -> JobConfig:
+    """Merge defaults < config file < command line into a JobConfig."""
+    file_values = file_values or {}
+    groups = {}
+    for group_name, cls in CONFIG_GROUPS.items():
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            cli = getattr(ns, f.name, None)
+            if cli is not None:
+                kwargs[f.name] = cli
+            elif f.name in file_values:
+                value = file_values[f.name]
+                kind = _base_type(f.type)
+                if isinstance(value, list) or value is None:
+                    kwargs[f.name] = value
+                elif kind is list or typing.get_origin(f.type) is list:
+                    kwargs[f.name] = [value]
+                else:
+                    kwargs[f.name] = kind(value)
+        groups[group_name] = cls(**kwargs)
+    return JobConfig(**groups)
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: JobConfig, world_size: int) -> JobConfig:
+    """Check every value and combination; fill derived defaults. Pure: no I/O but file checks."""
+    p, m, t, d, c, lg = cfg.parallel, cfg.model, cfg.training, cfg.data, cfg.checkpoint, cfg.logging
+    for name, value in (
+        ("world size", world_size),
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+        ("--vocab-size", m.vocab_size),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--global-batch-size", t.global_batch_size),
+        ("--train-iters", t.train_iters),
+        ("--log-interval", lg.log_interval),
+    ):
+        _require(value >= 1, f"{name}={value} is invalid: it must be a positive integer")
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    _require(
+        world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+        f"--pipeline-model-parallel-size {pp} = {tp * pp}; use a world size that is a multiple "
+        f"of {tp * pp}",
+    )
+    dp = world_size // (tp * pp)
+    _require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+        f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; use a "
+        f"multiple of {t.micro_batch_size * dp}",
+    )
+    _require(
+        m.num_attention_heads % tp == 0,
+        f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+        f"--tensor-model-parallel-size {tp}; use a multiple of {tp}",
+    )
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+        f"{m.num_attention_heads}",
+    )
+    _require(
+        m.num_layers % pp == 0,
+        f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+        f"use a multiple of {pp}",
+    )
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    _require(
+        m.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+        f"--tensor-model-parallel-size {tp}",
+    )
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    _require(
+        m.max_position_embeddings >= m.seq_length,
+        f"--max-position-embeddings {m.max_position_embeddings} is smaller than --seq-length "
+        f"{m.seq_length}",
+    )
+    _require(
+        m.vocab_size % tp == 0,
+        f"--vocab-size {m.vocab_size} is not divisible by --tensor-model-parallel-size {tp}",
+    )
+    vp = p.num_layers_per_virtual_pipeline_stage
+    if vp is not None:
+        _require(vp >= 1, f"--num-layers-per-virtual-pipeline-stage={vp} must be positive")
+        _require(
+            pp > 1 and m.num_layers % (pp * vp) == 0,
+            f"--num-layers-per-virtual-pipeline-stage {vp} needs "
+            f"--pipeline-model-parallel-size > 1 and --num-layers {m.num_layers} divisible by "
+            f"pipeline size x layers per virtual stage = {pp * vp}",
+        )
+        micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+        _require(
+            micro_batches % pp == 0,
+            f"the interleaved schedule needs micro-batches per iteration ({micro_batches}) to "
+            f"be a multiple of --pipeline-model-parallel-size {pp}",
+        )
+    _require(
+        not (t.bf16 and t.fp16), "--bf16 and --fp16 are both set; choose at most one precision"
+    )
+    _require(t.lr > 0, f"--lr={t.lr} must be positive")
+    _require(
+        0 <= t.min_lr <= t.lr, f"--min-lr={t.min_lr} must lie between 0 and --lr={t.lr}"
+    )
+    _require(t.lr_warmup_iters >= 0, f"--lr-warmup-iters={t.lr_warmup_iters} must be >= 0")
+    _require(t.clip_grad >= 0, f"--clip-grad={t.clip_grad} must be >= 0")
+    _require(
+        0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+        "--hidden-dropout and --attention-dropout must lie in [0, 1)",
+    )
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    for prefix in d.data_path:
+        if _is_weight(prefix):
+            continue
+        for ext in (".bin", ".idx"):
+            _require(
+                os.path.isfile(prefix + ext),
+                f"--data-path {prefix!r}: {prefix + ext} does not exist; pass the prefix of a "
+                f"Megatron indexed dataset (PREFIX.bin and PREFIX.idx), e.g. one written by "
+                f"scripts/preprocess_data.py",
+            )
+    if c.save_interval is not None:
+        _require(
+            c.save_interval >= 1, f"--save-interval={c.save_interval} must be a positive integer"
+        )
+        _require(c.save is not None, "--save-interval is set but --save is not; pass --save DIR")
+    if c.load is not None:
+        _require(
+            os.path.isdir(c.load),
+            f"--load {c.load!r} is not a directory; pass a directory written by --save",
+        )
+    return cfg
+
+
+def _is_weight(token: str) -> bool:
+    try:
+        value = float(token)
+    except ValueError:
+        return False
+    return math.isfinite(value)
+
+
+def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    return world_size // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)

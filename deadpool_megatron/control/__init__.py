@@ -1,0 +1,1 @@
+"""Coordination: the job's store, spares."""

@@ -1,0 +1,288 @@
+"""deadpool-launch: start a job's workers and spares on this node and watch them.
+
+The launcher hosts the job's coordination store (a torch TCPStore, on node 0) in its own
+process, so the store outlives any worker. It checks the script's arguments once (a
+"preflight" run of the script with DEADPOOL_PREFLIGHT=1, which must validate its flags and
+exit) before starting anything, prefixes every line of a child's output with its role and rank,
+forwards SIGINT/SIGTERM, and ends the job with one clear line when a worker dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .logging_setup import setup_logging
+from .runtime import (
+    ENV_JOB_ID,
+    ENV_PREFLIGHT,
+    ENV_ROLE,
+    ENV_SPARE_INDEX,
+    KEY_JOB_FINISHED,
+    ROLE_SPARE,
+    ROLE_WORKER,
+)
+
+log = logging.getLogger("deadpool.launch")
+
+KEY_NODES_DONE = "job/nodes_done"
+TERMINATE_GRACE_S = 5.0
+POLL_S = 0.02
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deadpool-launch",
+        description="Start N workers and S spare processes of SCRIPT on this node, host the "
+        "job's store, and watch them.",
+    )
+    parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
+                        help="Worker processes on this node.")  # fmt: skip
+    parser.add_argument("--spares", type=int, default=0, metavar="S",
+                        help="Spare processes on this node (default: 0).")  # fmt: skip
+    parser.add_argument("--nnodes", type=int, default=1, help="Nodes in the job (default: 1).")
+    parser.add_argument("--node-rank", type=int, default=0, help="This node's rank (default: 0).")
+    parser.add_argument("--master-addr", default="127.0.0.1",
+                        help="Address of node 0, which hosts the store (default: 127.0.0.1).")  # fmt: skip
+    parser.add_argument("--master-port", type=int, default=0,
+                        help="Store port on node 0; 0 picks a free one on a single node.")  # fmt: skip
+    parser.add_argument("--job-id", default=None, help="Job id (default: a random one).")
+    parser.add_argument("--no-preflight", action="store_true",
+                        help="Skip the argument check for a script that does not honour "
+                        f"{ENV_PREFLIGHT}=1.")  # fmt: skip
+    parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
+    return parser
+
+
+def validate_launch_args(a: argparse.Namespace) -> None:
+    if a.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node={a.nproc_per_node} must be at least 1")
+    if a.spares < 0:
+        raise ConfigError(f"--spares={a.spares} must be 0 or more")
+    if a.nnodes < 1:
+        raise ConfigError(f"--nnodes={a.nnodes} must be at least 1")
+    if not 0 <= a.node_rank < a.nnodes:
+        raise ConfigError(f"--node-rank={a.node_rank} must lie in [0, {a.nnodes - 1}]")
+    if not 0 <= a.master_port < 65536:
+        raise ConfigError(f"--master-port={a.master_port} must lie in [0, 65535]")
+    if a.nnodes > 1 and a.master_port == 0:
+        raise ConfigError("--master-port 0 (pick a free port) only works with --nnodes 1")
+    if not os.path.isfile(a.script):
+        raise ConfigError(f"script {a.script!r} does not exist")
+
+
+@dataclass
+class Child:
+    role: str
+    index: int  # global rank for a worker, spare index for a spare
+    proc: subprocess.Popen
+    pump: threading.Thread | None = None
+    reported: bool = field(default=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.index}"
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.world_size = args.nnodes * args.nproc_per_node
+        self.job_id = args.job_id or uuid.uuid4().hex[:8]
+        self.children: list[Child] = []
+        self.store = None
+        self.port = args.master_port
+        self._print_lock = threading.Lock()
+        self._stop_signal: int | None = None
+
+    # -- start-up ---------------------------------------------------------------------------
+    def preflight(self) -> int:
+        env = dict(os.environ, WORLD_SIZE=str(self.world_size), **{ENV_PREFLIGHT: "1"})
+        done = subprocess.run(
+            [sys.executable, self.args.script, *self.args.script_args],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        if done.returncode != 0:
+            sys.stderr.write(done.stderr or done.stdout)
+        return done.returncode
+
+    def host_store(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(
+            self.args.master_addr,
+            self.port,
+            is_master=self.args.node_rank == 0,
+            timeout=datetime.timedelta(seconds=300),
+            wait_for_workers=False,
+        )
+        self.port = self.store.port
+
+    def _env(self, role: str, index: int, local_rank: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=self.args.master_addr,
+            MASTER_PORT=str(self.port),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_WORLD_SIZE=str(self.args.nproc_per_node),
+            PYTHONUNBUFFERED="1",
+        )
+        # Several processes share this node's cores: one intra-op thread each, as torchrun does.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env[ENV_ROLE] = role
+        env[ENV_JOB_ID] = self.job_id
+        if role == ROLE_WORKER:
+            env.update(RANK=str(index), LOCAL_RANK=str(local_rank))
+        else:
+            env[ENV_SPARE_INDEX] = str(index)
+            env.pop("RANK", None)
+        return env
+
+    def _spawn(self, role: str, index: int, local_rank: int) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-u", self.args.script, *self.args.script_args],
+            env=self._env(role, index, local_rank),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        child = Child(role, index, proc)
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.pump.start()
+        self.children.append(child)
+
+    def _pump(self, child: Child) -> None:
+        prefix = f"[{child.label}] ".encode()
+        for line in iter(child.proc.stdout.readline, b""):
+            with self._print_lock:
+                sys.stdout.buffer.write(prefix + line)
+                sys.stdout.buffer.flush()
+
+    def start(self) -> None:
+        a = self.args
+        for local in range(a.nproc_per_node):
+            self._spawn(ROLE_WORKER, a.node_rank * a.nproc_per_node + local, local)
+        for s in range(a.spares):
+            self._spawn(ROLE_SPARE, a.node_rank * a.spares + s, a.nproc_per_node + s)
+        log.info(
+            "job %s: %d worker(s) (ranks %d-%d of %d) and %d spare(s) started, store on port %d",
+            self.job_id, a.nproc_per_node, a.node_rank * a.nproc_per_node,
+            (a.node_rank + 1) * a.nproc_per_node - 1, self.world_size, a.spares, self.port,
+        )  # fmt: skip
+
+    # -- watching ---------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def watch(self) -> int:
+        workers = [c for c in self.children if c.role == ROLE_WORKER]
+        spares = [c for c in self.children if c.role == ROLE_SPARE]
+        while True:
+            if self._stop_signal is not None:
+                name = signal.Signals(self._stop_signal).name
+                log.info("received %s: forwarding it to every process", name)
+                self.terminate(self._stop_signal)
+                return 128 + self._stop_signal
+            for child in workers:
+                rc = child.proc.poll()
+                if rc is not None and rc != 0:
+                    log.error(
+                        "worker rank %d (pid %d) %s; ending the job",
+                        child.index, child.proc.pid, describe_exit(rc),
+                    )  # fmt: skip
+                    self.terminate(signal.SIGTERM)
+                    return 1
+            for child in spares:
+                rc = child.proc.poll()
+                if rc is not None and not child.reported:
+                    child.reported = True
+                    if rc != 0:
+                        log.warning(
+                            "spare %d (pid %d) %s; the job goes on without it",
+                            child.index, child.proc.pid, describe_exit(rc),
+                        )  # fmt: skip
+            if all(c.proc.poll() == 0 for c in workers):
+                return self.finish(spares)
+            time.sleep(POLL_S)
+
+    def finish(self, spares: list[Child]) -> int:
+        """Every local worker succeeded: tell the spares once every node is done."""
+        done = self.store.add(KEY_NODES_DONE, 1)
+        if done >= self.args.nnodes:
+            self.store.set(KEY_JOB_FINISHED, "1")
+        deadline = time.monotonic() + 600
+        while not self.store.check([KEY_JOB_FINISHED]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while any(s.proc.poll() is None for s in spares) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.terminate(signal.SIGTERM)
+        self._join_pumps()
+        log.info("job %s finished: all %d worker(s) succeeded", self.job_id, self.args.nproc_per_node)
+        return 0
+
+    def terminate(self, signum: int) -> None:
+        alive = [c for c in self.children if c.proc.poll() is None]
+        for c in alive:
+            try:
+                os.killpg(c.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for c in alive:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+        self._join_pumps()
+
+    def _join_pumps(self) -> None:
+        for c in self.children:
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("[launcher]")
+    try:
+        validate_launch_args(args)
+    except ConfigError as err:
+        print(f"deadpool-launch: error: {err}", file=sys.stderr)
+        return ConfigError.exit_code
+    launcher = Launcher(args)
+    if not args.no_preflight:
+        rc = launcher.preflight()
+        if rc != 0:
+            return rc
+    signal.signal(signal.SIGINT, launcher._on_signal)
+    signal.signal(signal.SIGTERM, launcher._on_signal)
+    launcher.host_store()
+    launcher.start()
+    return launcher.watch()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The only package that touches megatron-core internals. Importing it stays cheap."""

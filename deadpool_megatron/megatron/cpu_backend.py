@@ -1,0 +1,224 @@
+"""Let unmodified megatron-core train on CPU with gloo, for development and CI.
+
+megatron-core assumes CUDA in a few dozen places (see FIELD-NOTES): `torch.cuda.current_device()`
+used as a device, literal `device='cuda'`, CUDA RNG state in the model-parallel RNG tracker,
+streams/events/synchronize, and `Tensor.type()` strings such as 'torch.cuda.FloatTensor'.
+Rather than patching each call site, every loaded `megatron.core` module gets its own view of
+`torch` in which `torch.cuda` maps onto the CPU (devices, RNG, no-op streams) and tensor factories
+map a CUDA device onto the CPU. The real `torch` module is never modified, so nothing outside
+megatron-core changes, and the backend is only activated without a GPU (or with `--cpu`): a
+GPU run never goes through this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import types
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn",
+    "randint", "zeros_like", "ones_like", "empty_like", "full_like", "eye", "linspace",
+)  # fmt: skip
+_CPU = torch.device("cpu")
+_ACTIVE = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+def _cpu_factory(fn):
+    def factory(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    factory.__name__ = fn.__name__
+    factory.__doc__ = fn.__doc__
+    return factory
+
+
+class _NullStream:
+    """Stands in for a CUDA stream: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: it calls torch.cuda.manual_seed_all, which would recurse here.
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _nvtx_namespace() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        range_push=lambda *a, **k: None,
+        range_pop=lambda *a, **k: None,
+        mark=lambda *a, **k: None,
+        range=lambda *a, **k: contextlib.nullcontext(),
+    )
+
+
+def _build_cuda_view() -> types.ModuleType:
+    cuda = types.ModuleType("torch.cuda")
+    cuda.__dict__.update(torch.cuda.__dict__)
+    cuda.__getattr__ = lambda name: getattr(torch.cuda, name)  # lazy submodules
+    cuda.current_device = lambda: _CPU
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.device = lambda *a, **k: contextlib.nullcontext()
+    cuda.nvtx = _nvtx_namespace()
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.manual_seed_all = _cpu_manual_seed
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.random = types.SimpleNamespace(
+        get_rng_state=cuda.get_rng_state, set_rng_state=cuda.set_rng_state
+    )
+    return cuda
+
+
+def _build_torch_view() -> types.ModuleType:
+    view = types.ModuleType("torch")
+    view.__dict__.update(torch.__dict__)
+    view.__getattr__ = lambda name: getattr(torch, name)
+    for name in _FACTORIES:
+        setattr(view, name, _cpu_factory(getattr(torch, name)))
+    view.cuda = _build_cuda_view()
+    return view
+
+
+def _called_from_megatron(depth: int = 2) -> bool:
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith("megatron.")
+
+
+def _patch_tensor_methods() -> None:
+    """`Tensor.type()` strings and `.cuda()` as megatron-core (and only it) expects them."""
+    original_type = torch.Tensor.type
+    original_cuda = torch.Tensor.cuda
+
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs and _called_from_megatron():
+            name = original_type(self)
+            return name.replace("torch.", "torch.cuda.", 1) if self.device.type == "cpu" else name
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    def cuda_(self, *args, **kwargs):
+        if _called_from_megatron():
+            return self
+        return original_cuda(self, *args, **kwargs)
+
+    torch.Tensor.type = type_
+    torch.Tensor.cuda = cuda_
+
+
+def _cpu_get_rng_state(device=None, clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def patch_loaded_modules() -> int:
+    """Give every loaded megatron.core module the CPU view of torch. Idempotent."""
+    if not _ACTIVE:
+        return 0
+    view = _VIEW
+    patched = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or module is None:
+            continue
+        if module.__dict__.get("torch") is torch:
+            module.torch = view
+            patched += 1
+        if name.endswith("tensor_parallel.random"):
+            module._get_cuda_rng_state = _cpu_get_rng_state
+            module._set_cuda_rng_state = _cpu_set_rng_state
+    return patched
+
+
+_VIEW: types.ModuleType | None = None
+
+
+def should_activate(force_cpu: bool) -> bool:
+    """Without a usable CUDA device the CPU backend is required; `--cpu` forces it."""
+    return force_cpu or not torch.cuda.is_available()
+
+
+def activate() -> None:
+    """Import the megatron-core modules a training job uses, then route their CUDA to the CPU."""
+    global _ACTIVE, _VIEW
+    if _ACTIVE:
+        patch_loaded_modules()
+        return
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+
+    _VIEW = _build_torch_view()
+    _ACTIVE = True
+    _patch_tensor_methods()
+    count = patch_loaded_modules()
+    log.debug("CPU backend active: %d megatron-core modules routed to the CPU", count)
+
+
+def is_active() -> bool:
+    return _ACTIVE

@@ -1,0 +1,53 @@
+"""state_digest: one sha256 over every rank's parameters and full optimizer state.
+
+Two runs are the same run only if this digest matches: it covers the model parameters of
+every chunk, and for every torch optimizer inside Megatron's (chained, distributed) optimizer
+its fp32 main parameters and every state tensor (step, exp_avg, exp_avg_sq), in rank order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+
+def inner_optimizers(optimizer) -> list:
+    """The megatron optimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _update(h, tensor: torch.Tensor) -> None:
+    t = tensor.detach().contiguous().cpu()
+    h.update(str((t.dtype, tuple(t.shape))).encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def local_digest(model: list, optimizer) -> str:
+    h = hashlib.sha256()
+    for i, chunk in enumerate(model):
+        for name, param in sorted(chunk.named_parameters()):
+            h.update(f"model{i}.{name}".encode())
+            _update(h, param)
+    for j, megatron_opt in enumerate(inner_optimizers(optimizer)):
+        torch_opt = megatron_opt.optimizer
+        for g, group in enumerate(torch_opt.param_groups):
+            for k, main_param in enumerate(group["params"]):
+                h.update(f"opt{j}.group{g}.param{k}".encode())
+                _update(h, main_param)
+                for key, value in sorted(torch_opt.state.get(main_param, {}).items()):
+                    h.update(key.encode())
+                    if torch.is_tensor(value):
+                        _update(h, value)
+                    else:
+                        h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+def state_digest(model: list, optimizer) -> str:
+    """Collective over the default group: every rank gets the same job-wide digest."""
+    mine = local_digest(model, optimizer)
+    everyone: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return hashlib.sha256("".join(everyone).encode()).hexdigest()

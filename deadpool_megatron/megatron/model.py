@@ -1,0 +1,183 @@
+"""Build the GPT model, Megatron DDP, the (distributed) optimizer and the LR scheduler.
+
+The same construction Megatron-LM's pretrain_gpt.py performs, with megatron-core's public API:
+GPTModel with the local layer spec (or transformer-engine's, on a GPU with TE installed),
+one model chunk per virtual pipeline stage, each wrapped in DistributedDataParallel, and
+`get_megatron_optimizer` (a ChainedOptimizer over DistributedOptimizers when
+--use-distributed-optimizer is set).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+
+from ..config import JobConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """What one rank trains: model chunks, optimizer, scheduler, and the precision dtype."""
+
+    model: list[DistributedDataParallel]
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    transformer_config: TransformerConfig
+
+
+def params_dtype(cfg: JobConfig) -> torch.dtype:
+    if cfg.training.bf16:
+        return torch.bfloat16
+    if cfg.training.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def transformer_config(cfg: JobConfig, on_gpu: bool) -> TransformerConfig:
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    vp = virtual_pipeline_size(cfg)
+    dtype = params_dtype(cfg)
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        normalization=m.normalization,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        deallocate_pipeline_outputs=on_gpu,
+    )
+
+
+def virtual_pipeline_size(cfg: JobConfig) -> int | None:
+    vp_layers = cfg.parallel.num_layers_per_virtual_pipeline_stage
+    if vp_layers is None:
+        return None
+    return cfg.model.num_layers // (cfg.parallel.pipeline_model_parallel_size * vp_layers)
+
+
+def _layer_spec(cfg: JobConfig, on_gpu: bool):
+    impl = cfg.model.transformer_impl
+    if impl != "local" and on_gpu:
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+        except ImportError:
+            if impl == "transformer_engine":
+                raise
+    return get_gpt_layer_local_spec(normalization=cfg.model.normalization), "local"
+
+
+def build_model(cfg: JobConfig, tcfg: TransformerConfig, on_gpu: bool) -> list[DistributedDataParallel]:
+    """One GPTModel chunk per virtual stage, each wrapped in Megatron's DDP."""
+    spec, impl = _layer_spec(cfg, on_gpu)
+    vp = virtual_pipeline_size(cfg)
+    chunks = []
+    for vp_stage in range(vp or 1):
+        stage = vp_stage if vp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=vp is None, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=vp is None, vp_stage=stage)
+        kwargs = {"vp_stage": stage} if vp else {}
+        model = GPTModel(
+            config=tcfg,
+            transformer_layer_spec=spec,
+            vocab_size=cfg.model.vocab_size,
+            max_sequence_length=cfg.model.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.model.position_embedding_type,
+            **kwargs,
+        )
+        if on_gpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(
+            config=tcfg, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+    for chunk in wrapped:
+        chunk.broadcast_params()
+    log.debug("built %d model chunk(s) with the %s layer spec", len(wrapped), impl)
+    return wrapped
+
+
+def build_optimizer(cfg: JobConfig, model: list[DistributedDataParallel]):
+    t = cfg.training
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        params_dtype=params_dtype(cfg),
+        initial_loss_scale=t.initial_loss_scale if t.fp16 else None,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, model)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if t.lr_warmup_iters > 0 else t.lr,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_iters,
+        lr_decay_steps=t.lr_decay_iters,
+        lr_decay_style=t.lr_decay_style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def build_train_state(cfg: JobConfig, on_gpu: bool) -> TrainState:
+    tcfg = transformer_config(cfg, on_gpu)
+    model = build_model(cfg, tcfg, on_gpu)
+    optimizer, scheduler = build_optimizer(cfg, model)
+    return TrainState(model, optimizer, scheduler, tcfg)

@@ -1,0 +1,94 @@
+"""torch.distributed and megatron-core parallel_state set-up and teardown.
+
+Kept in one place because recovery (a later issue) tears these down and builds them again on a
+fresh store prefix: every group this job uses is created here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from ..config import JobConfig
+from . import cpu_backend
+
+log = logging.getLogger(__name__)
+
+
+def connect_store(
+    host: str, port: int, world_size: int, timeout_s: float = 300.0
+) -> dist.TCPStore:
+    """Client connection to the TCPStore the launcher hosts."""
+    return dist.TCPStore(
+        host,
+        port,
+        world_size=None,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def init_distributed(
+    cfg: JobConfig, rank: int, world_size: int, store: dist.Store, prefix: str = "gen0"
+) -> bool:
+    """Create the default process group and megatron-core's groups. Returns True on a GPU."""
+    on_gpu = not cpu_backend.should_activate(cfg.system.cpu)
+    if on_gpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    else:
+        cpu_backend.activate()
+    timeout = datetime.timedelta(minutes=cfg.system.distributed_timeout_minutes)
+    dist.init_process_group(
+        backend="nccl" if on_gpu else "gloo",
+        store=dist.PrefixStore(prefix, store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    vp_layers = cfg.parallel.num_layers_per_virtual_pipeline_stage
+    vp = None
+    if vp_layers is not None:
+        vp = cfg.model.num_layers // (cfg.parallel.pipeline_model_parallel_size * vp_layers)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=vp,
+        distributed_timeout_minutes=int(max(1, cfg.system.distributed_timeout_minutes)),
+    )
+    if not on_gpu:
+        cpu_backend.patch_loaded_modules()
+    set_random_seed(cfg.training.seed)
+    return on_gpu
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron-LM's seeding: one seed per pipeline stage, tracked model-parallel RNG states."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def coordinates() -> tuple[int, int, int]:
+    """This rank's (tp, pp, dp) coordinates as megatron-core assigned them."""
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )

@@ -1,0 +1,138 @@
+"""The training loop: Megatron-LM's pretrain loop on megatron-core, one rank's view.
+
+forward/backward through megatron-core's pipeline schedule (1F1B, or interleaved with virtual
+stages), grad sync through Megatron DDP's finalize_model_grads, the optimizer step, the LR
+scheduler, Megatron-style iteration lines, metrics, and persistent checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from ..config import JobConfig, data_parallel_size
+from ..metrics import MetricsWriter, iteration_line
+from . import checkpointing
+from .data import build_corpus, get_micro_batch, micro_batch_indices
+from .digest import state_digest
+from .model import TrainState
+
+log = logging.getLogger("deadpool.train")
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # The schedule divides the returned loss in place: report a detached copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+    )
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+class Trainer:
+    """Owns one rank's training: state, data, metrics, and the iteration counter."""
+
+    def __init__(self, cfg: JobConfig, state: TrainState, world_size: int, on_gpu: bool):
+        self.cfg = cfg
+        self.state = state
+        self.on_gpu = on_gpu
+        self.dp_size = data_parallel_size(cfg, world_size)
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        t = cfg.training
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        self.corpus = build_corpus(
+            cfg.data, cfg.model, t.seed, num_samples=t.train_iters * t.global_batch_size
+        )
+        self.iteration = 0
+        self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+        self.metrics = MetricsWriter(cfg.logging.metrics_jsonl if self.is_logging_rank else None)
+        tcfg = state.transformer_config
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        if t.fp16:
+            tcfg.grad_scale_func = state.optimizer.scale_loss
+        self._fwd_bwd = get_forward_backward_func()
+
+    def _micro_batches(self, iteration: int) -> list[dict]:
+        t = self.cfg.training
+        device = torch.cuda.current_device() if self.on_gpu else "cpu"
+        out = []
+        for indices in micro_batch_indices(
+            iteration, self.dp_rank, self.dp_size, t.global_batch_size, t.micro_batch_size
+        ):
+            batch = get_micro_batch(self.corpus, indices)
+            out.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        return out
+
+    def train_step(self) -> float | None:
+        """Run iteration self.iteration + 1; returns the DP-averaged loss on the last stage."""
+        s = self.state
+        batches = self._micro_batches(self.iteration)
+        iterators = [iter(batches) for _ in s.model]
+        for chunk in s.model:
+            chunk.zero_grad_buffer()
+        s.optimizer.zero_grad()
+        losses = self._fwd_bwd(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(s.model) > 1 else iterators[0],
+            model=s.model if len(s.model) > 1 else s.model[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            forward_only=False,
+        )
+        update_successful, _grad_norm, _zeros = s.optimizer.step()
+        if update_successful:
+            s.scheduler.step(increment=1)
+        self.iteration += 1
+        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+        loss = torch.stack([x["lm loss"] for x in losses]).mean()
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        return (loss / self.dp_size).item()
+
+    def train(self) -> None:
+        t, c = self.cfg.training, self.cfg.checkpoint
+        while self.iteration < t.train_iters:
+            start = time.perf_counter()
+            loss = self.train_step()
+            elapsed_ms = (time.perf_counter() - start) * 1000.0
+            if self.is_logging_rank and loss is not None:
+                self.metrics.iteration(self.iteration, loss, elapsed_ms)
+                if self.iteration % self.cfg.logging.log_interval == 0:
+                    tokens = t.global_batch_size * self.cfg.model.seq_length
+                    log.info(
+                        iteration_line(
+                            self.iteration,
+                            t.train_iters,
+                            self.iteration * t.global_batch_size,
+                            elapsed_ms,
+                            self.state.optimizer.param_groups[0]["lr"],
+                            t.global_batch_size,
+                            loss,
+                            tokens / (elapsed_ms / 1000.0),
+                        )
+                    )
+            if c.save and c.save_interval and self.iteration % c.save_interval == 0:
+                checkpointing.save(self.cfg, self.state, self.iteration)
+
+    def finish(self) -> str:
+        digest = state_digest(self.state.model, self.state.optimizer)
+        if self.is_logging_rank:
+            self.metrics.final(self.iteration, digest)
+            log.info("training finished at iteration %d, state_digest %s", self.iteration, digest)
+        self.metrics.close()
+        return digest

@@ -1,0 +1,79 @@
+"""Megatron-style iteration lines and the per-iteration metrics file.
+
+The metrics file is the witness every failure test compares against: losses as exact hex
+floats per iteration, and a final state digest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+log = logging.getLogger("deadpool.train")
+
+
+def iteration_line(
+    iteration: int,
+    train_iters: int,
+    consumed_samples: int,
+    iteration_ms: float,
+    lr: float,
+    global_batch_size: int,
+    loss: float,
+    tokens_per_s: float,
+) -> str:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{stamp}] iteration {iteration:8d}/{train_iters:8d} | consumed samples: "
+        f"{consumed_samples:12d} | elapsed time per iteration (ms): {iteration_ms:.1f} | "
+        f"learning rate: {lr:.6E} | global batch size: {global_batch_size:5d} | "
+        f"lm loss: {loss:.6E} | tokens/s: {tokens_per_s:.0f} |"
+    )
+
+
+class MetricsWriter:
+    """Appends JSON lines; flushed per line so a killed job leaves every finished iteration."""
+
+    def __init__(self, path: str | None):
+        self._fh = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fh = open(path, "a", buffering=1)
+
+    def iteration(self, iteration: int, loss: float, iteration_ms: float) -> None:
+        self._write(
+            {
+                "iteration": iteration,
+                "lm_loss": loss,
+                "lm_loss_hex": float.hex(loss),
+                "iteration_ms": round(iteration_ms, 3),
+            }
+        )
+
+    def final(self, iteration: int, state_digest: str) -> None:
+        self._write({"event": "final", "iteration": iteration, "state_digest": state_digest})
+
+    def _write(self, record: dict) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_metrics(path: str) -> tuple[dict[int, str], dict | None]:
+    """(iteration -> loss hex, final record) from a metrics file; later lines win on replay."""
+    losses: dict[int, str] = {}
+    final = None
+    with open(path) as fh:
+        for line in fh:
+            record = json.loads(line)
+            if record.get("event") == "final":
+                final = record
+            elif "iteration" in record:
+                losses[record["iteration"]] = record["lm_loss_hex"]
+    return losses, final

@@ -1,0 +1,54 @@
+"""The contract between deadpool-launch and the processes it starts, declared once.
+
+The launcher passes everything through environment variables (the names torchrun uses where
+one exists), so a training script reads one `ProcessEnv` instead of scattered `os.environ`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ROLE_WORKER = "worker"
+ROLE_SPARE = "spare"
+
+ENV_ROLE = "DEADPOOL_ROLE"
+ENV_SPARE_INDEX = "DEADPOOL_SPARE_INDEX"
+ENV_JOB_ID = "DEADPOOL_JOB_ID"
+ENV_PREFLIGHT = "DEADPOOL_PREFLIGHT"
+
+# Keys in the job's store (the launcher hosts it); namespaced by job id by their users.
+KEY_JOB_FINISHED = "job/finished"
+KEY_SPARE = "spare/{index}"
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    role: str
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int | None
+    spare_index: int | None
+    job_id: str
+    preflight: bool
+    under_launcher: bool
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> ProcessEnv:
+        env = os.environ if environ is None else environ
+        port = env.get("MASTER_PORT")
+        spare = env.get(ENV_SPARE_INDEX)
+        return cls(
+            role=env.get(ENV_ROLE, ROLE_WORKER),
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(port) if port else None,
+            spare_index=int(spare) if spare is not None else None,
+            job_id=env.get(ENV_JOB_ID, "local"),
+            preflight=env.get(ENV_PREFLIGHT) == "1",
+            under_launcher=ENV_ROLE in env,
+        )

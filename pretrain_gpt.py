@@ -1,0 +1,38 @@
+#!/usr/bin/env python
+"""Pretrain a GPT with megatron-core, protected by deadpool-megatron.
+
+Start it with `deadpool-launch --nproc-per-node N [--spares S] pretrain_gpt.py ARGS` (or plainly
+for one process). `--help` lists every flag; `--config configs/demo.yaml` loads a ready job.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from deadpool_megatron.errors import ConfigError
+from deadpool_megatron.logging_setup import setup_logging
+from deadpool_megatron.megatron.arguments import parse_job_args
+from deadpool_megatron.runtime import ROLE_SPARE, ProcessEnv
+
+
+def main(argv: list[str] | None = None) -> int:
+    env = ProcessEnv.from_environ()
+    try:
+        cfg = parse_job_args(argv, env.world_size)
+    except ConfigError as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return ConfigError.exit_code
+    if env.preflight:
+        return 0
+    setup_logging("" if env.under_launcher else f"rank {env.rank}")
+    if env.role == ROLE_SPARE:
+        from deadpool_megatron.control.spare import run_spare
+
+        return run_spare(env)
+    from deadpool_megatron.megatron.worker import run_worker
+
+    return run_worker(cfg, env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
