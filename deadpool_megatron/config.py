@@ -76,6 +76,9 @@ class TrainingConfig:
     micro_batch_size: int = knob(2, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: int = knob(16, "Samples per iteration across all data-parallel ranks.")
     train_iters: int = knob(50, "Iterations to train.")
+    exit_interval: int | None = knob(
+        None, "Stop after this iteration, saving a checkpoint first when --save is set."
+    )
     lr: float = knob(3e-3, "Peak learning rate.")
     min_lr: float = knob(0.0, "Minimum learning rate at the end of decay.")
     lr_decay_style: str = knob(
@@ -355,6 +358,8 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
         0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
         "--hidden-dropout and --attention-dropout must lie in [0, 1)",
     )
+    if t.exit_interval is not None:
+        _require(t.exit_interval >= 1, f"--exit-interval={t.exit_interval} must be positive")
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
     for prefix in d.data_path:

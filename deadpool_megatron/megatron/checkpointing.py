@@ -21,9 +21,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from ..config import JobConfig
 from ..errors import CheckpointError
+from .cpu_backend import is_active as is_cpu
 from .digest import inner_optimizers
 from .model import TrainState
 
@@ -70,10 +72,10 @@ def _set_rng_state(state: dict) -> None:
 def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> dict:
     sd: dict = {}
     if len(state.model) == 1:
-        sd["model"] = state.model[0].sharded_state_dict()
+        sd["model"] = state.model[0].module.sharded_state_dict()
     else:
         for i, chunk in enumerate(state.model):
-            sd[f"model{i}"] = chunk.sharded_state_dict()
+            sd[f"model{i}"] = chunk.module.sharded_state_dict()
     sd["optimizer"] = state.optimizer.sharded_state_dict(
         sd, is_loading=is_loading, metadata=OPTIMIZER_METADATA
     )
@@ -106,7 +108,11 @@ def save(cfg: JobConfig, state: TrainState, iteration: int) -> str:
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(state, iteration, is_loading=False), path)
+    # One writer per rank: on a CPU node every core already runs a rank.
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if is_cpu() else 2)
+    dist_checkpointing.save(
+        _sharded_state_dict(state, iteration, is_loading=False), path, sharded_strategy=strategy
+    )
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -116,7 +122,8 @@ def save(cfg: JobConfig, state: TrainState, iteration: int) -> str:
             os.fsync(fh.fileno())
         os.replace(tmp, os.path.join(root, TRACKER))
     dist.barrier()
-    log.info(
+    log.log(
+        logging.INFO if dist.get_rank() == 0 else logging.DEBUG,
         "saved checkpoint at iteration %d to %s in %.2f s",
         iteration, path, time.perf_counter() - start,
     )  # fmt: skip
@@ -134,31 +141,63 @@ def load(cfg: JobConfig, state: TrainState) -> int:
     if not os.path.isdir(path):
         raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} is missing")
     start = time.perf_counter()
+    materialize_optimizer_state(state.optimizer)
     loaded = dist_checkpointing.load(_sharded_state_dict(state, iteration, is_loading=True), path)
     if len(state.model) == 1:
-        state.model[0].load_state_dict(loaded["model"])
+        state.model[0].module.load_state_dict(loaded["model"])
     else:
         for i, chunk in enumerate(state.model):
-            chunk.load_state_dict(loaded[f"model{i}"])
-    state.optimizer.load_state_dict(loaded["optimizer"])
-    unshare_adam_step(state.optimizer)
+            chunk.module.load_state_dict(loaded[f"model{i}"])
+    with torch.no_grad():  # the fp32 main params are views of leaves that require grad
+        state.optimizer.load_state_dict(loaded["optimizer"])
+    restore_adam_step(state.optimizer, loaded["optimizer"])
     state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     _set_rng_state(loaded["rng_state"])
-    log.info(
+    log.log(
+        logging.INFO if dist.get_rank() == 0 else logging.DEBUG,
         "loaded checkpoint of iteration %d from %s in %.2f s",
         iteration, path, time.perf_counter() - start,
     )  # fmt: skip
     return int(loaded["iteration"])
 
 
-def unshare_adam_step(optimizer) -> None:
-    """Work around megatron-core giving every parameter ONE shared `step` tensor on load.
+def materialize_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state tensors so a checkpoint can be loaded into them.
 
-    torch's AdamW increments `step` once per parameter per iteration, so a shared tensor
-    advances N times per step and the run silently diverges (FIELD-NOTES).
+    Before the first step torch's AdamW has no state (no `step`), and megatron-core's
+    DistributedOptimizer.state_dict() asserts on it; a zero-gradient step creates the state
+    the load then overwrites entirely (parameters included), as megatron-core itself does
+    for its FSDP path.
     """
     for megatron_opt in inner_optimizers(optimizer):
+        torch_opt = megatron_opt.optimizer
+        if any(torch_opt.state.get(p) for g in torch_opt.param_groups for p in g["params"]):
+            continue
+        for group in torch_opt.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        torch_opt.step()
+        torch_opt.zero_grad()
+
+
+def restore_adam_step(optimizer, loaded: dict) -> None:
+    """Give every parameter its own, correct AdamW `step` after a load (torch-AdamW path).
+
+    megatron-core's DistributedOptimizer.load_state_dict puts ONE shared `step` tensor into
+    every parameter's state, which torch's AdamW then increments once per parameter per step,
+    so the run silently diverges (FIELD-NOTES); and the in-place copies of the per-parameter
+    state can leave the pre-load value in it. The step saved in the param groups is the truth.
+    """
+    inner = inner_optimizers(optimizer)
+    per_optimizer = [loaded] if len(inner) == 1 else [loaded[i] for i in range(len(inner))]
+    for megatron_opt, saved in zip(inner, per_optimizer):
+        groups = saved.get("optimizer", {}).get("param_groups", [])
+        steps = {g["step"] for g in groups if "step" in g}
+        if not steps:  # TE/apex FusedAdam keeps its step in the param groups itself
+            continue
+        if len(steps) != 1:
+            raise CheckpointError(f"checkpoint param groups disagree on the optimizer step: {steps}")
+        step = float(steps.pop())
         for param_state in megatron_opt.optimizer.state.values():
-            step = param_state.get("step")
-            if torch.is_tensor(step):
-                param_state["step"] = step.clone()
+            if "step" in param_state:
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)

@@ -13,6 +13,7 @@ GPU run never goes through this file.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import sys
 import types
@@ -26,6 +27,21 @@ _FACTORIES = (
     "randint", "zeros_like", "ones_like", "empty_like", "full_like", "eye", "linspace",
 )  # fmt: skip
 _CPU = torch.device("cpu")
+# Modules megatron-core imports lazily (checkpointing strategies) must be loaded, then patched.
+_MODULES_TO_LOAD = (
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tensor_parallel",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+)
 _ACTIVE = False
 
 
@@ -207,11 +223,11 @@ def activate() -> None:
     if _ACTIVE:
         patch_loaded_modules()
         return
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-    import megatron.core.tensor_parallel  # noqa: F401
+    for name in _MODULES_TO_LOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # moved or removed in another megatron-core release
+            log.debug("megatron-core module %s not present", name)
 
     _VIEW = _build_torch_view()
     _ACTIVE = True

@@ -106,7 +106,8 @@ class Trainer:
 
     def train(self) -> None:
         t, c = self.cfg.training, self.cfg.checkpoint
-        while self.iteration < t.train_iters:
+        last = min(t.train_iters, t.exit_interval or t.train_iters)
+        while self.iteration < last:
             start = time.perf_counter()
             loss = self.train_step()
             elapsed_ms = (time.perf_counter() - start) * 1000.0

@@ -48,4 +48,5 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
         checkpointing.save(cfg, state, trainer.iteration)
     trainer.finish()
     parallel.destroy_distributed()
+    log.debug("worker done")
     return 0
