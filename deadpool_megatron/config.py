@@ -220,7 +220,9 @@ def load_config_file(path: str) -> dict[str, Any]:
     import yaml
 
     if not os.path.isfile(path):
-        raise ConfigError(f"--config {path!r}: no such file; pass a YAML file such as configs/demo.yaml")
+        raise ConfigError(
+            f"--config {path!r}: no such file; pass a YAML file such as configs/demo.yaml"
+        )
     with open(path) as fh:
         raw = yaml.safe_load(fh) or {}
     if not isinstance(raw, dict):
@@ -237,7 +239,9 @@ def load_config_file(path: str) -> dict[str, Any]:
     return out
 
 
-def build_job_config(ns: argparse.Namespace, file_values: dict[str, Any] | None = None) -> JobConfig:
+def build_job_config(
+    ns: argparse.Namespace, file_values: dict[str, Any] | None = None
+) -> JobConfig:
     """Merge defaults < config file < command line into a JobConfig."""
     file_values = file_values or {}
     groups = {}
@@ -349,9 +353,7 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
         not (t.bf16 and t.fp16), "--bf16 and --fp16 are both set; choose at most one precision"
     )
     _require(t.lr > 0, f"--lr={t.lr} must be positive")
-    _require(
-        0 <= t.min_lr <= t.lr, f"--min-lr={t.min_lr} must lie between 0 and --lr={t.lr}"
-    )
+    _require(0 <= t.min_lr <= t.lr, f"--min-lr={t.min_lr} must lie between 0 and --lr={t.lr}")
     _require(t.lr_warmup_iters >= 0, f"--lr-warmup-iters={t.lr_warmup_iters} must be >= 0")
     _require(t.clip_grad >= 0, f"--clip-grad={t.clip_grad} must be >= 0")
     _require(
@@ -394,4 +396,6 @@ def _is_weight(token: str) -> bool:
 
 
 def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
-    return world_size // (cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size)
+    return world_size // (
+        cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    )

@@ -10,6 +10,7 @@ forwards SIGINT/SIGTERM, and ends the job with one clear line when a worker dies
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import logging
 import os
@@ -168,6 +169,8 @@ class Launcher:
             start_new_session=True,
         )
         child = Child(role, index, proc)
+        name = f"worker rank {index}" if role == ROLE_WORKER else child.label
+        log.info("started %s (pid %d)", name, proc.pid)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
         child.pump.start()
         self.children.append(child)
@@ -239,16 +242,16 @@ class Launcher:
             time.sleep(0.05)
         self.terminate(signal.SIGTERM)
         self._join_pumps()
-        log.info("job %s finished: all %d worker(s) succeeded", self.job_id, self.args.nproc_per_node)
+        log.info(
+            "job %s finished: all %d worker(s) succeeded", self.job_id, self.args.nproc_per_node
+        )
         return 0
 
     def terminate(self, signum: int) -> None:
         alive = [c for c in self.children if c.proc.poll() is None]
         for c in alive:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(c.proc.pid, signum)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + TERMINATE_GRACE_S
         for c in alive:
             try:

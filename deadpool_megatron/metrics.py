@@ -40,7 +40,7 @@ class MetricsWriter:
         self._fh = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._fh = open(path, "a", buffering=1)
+            self._fh = open(path, "a", buffering=1)  # noqa: SIM115 (lives as long as the job)
 
     def iteration(self, iteration: int, loss: float, iteration_ms: float) -> None:
         self._write(

@@ -71,13 +71,17 @@ class Topology:
         """The k next ranks on this rank's DP ring (who holds replicas of its shard)."""
         c = self.coords(rank)
         hops = min(k, self.dp - 1)
-        return [self.rank(Coordinates(c.tp, c.pp, (c.dp + h) % self.dp)) for h in range(1, hops + 1)]
+        return [
+            self.rank(Coordinates(c.tp, c.pp, (c.dp + h) % self.dp)) for h in range(1, hops + 1)
+        ]
 
     def ring_predecessors(self, rank: int, k: int = 1) -> list[int]:
         """The k previous ranks on this rank's DP ring (whose shards this rank replicates)."""
         c = self.coords(rank)
         hops = min(k, self.dp - 1)
-        return [self.rank(Coordinates(c.tp, c.pp, (c.dp - h) % self.dp)) for h in range(1, hops + 1)]
+        return [
+            self.rank(Coordinates(c.tp, c.pp, (c.dp - h) % self.dp)) for h in range(1, hops + 1)
+        ]
 
     def is_last_stage(self, rank: int) -> bool:
         return self.coords(rank).pp == self.pp - 1

@@ -44,7 +44,8 @@ def latest_iteration(root: str) -> int | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as fh:
+        text = fh.read().strip()
     if not text.isdigit():
         raise CheckpointError(f"{path} holds {text!r}, not an iteration number")
     return int(text)
@@ -139,7 +140,9 @@ def load(cfg: JobConfig, state: TrainState) -> int:
         return 0
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
-        raise CheckpointError(f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} is missing")
+        raise CheckpointError(
+            f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} is missing"
+        )
     start = time.perf_counter()
     materialize_optimizer_state(state.optimizer)
     loaded = dist_checkpointing.load(_sharded_state_dict(state, iteration, is_loading=True), path)
@@ -196,7 +199,9 @@ def restore_adam_step(optimizer, loaded: dict) -> None:
         if not steps:  # TE/apex FusedAdam keeps its step in the param groups itself
             continue
         if len(steps) != 1:
-            raise CheckpointError(f"checkpoint param groups disagree on the optimizer step: {steps}")
+            raise CheckpointError(
+                f"checkpoint param groups disagree on the optimizer step: {steps}"
+            )
         step = float(steps.pop())
         for param_state in megatron_opt.optimizer.state.values():
             if "step" in param_state:

@@ -73,6 +73,11 @@ def transformer_config(cfg: JobConfig, on_gpu: bool) -> TransformerConfig:
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=on_gpu,
+        # gloo matches point-to-point messages by peer and posting order, and the batched
+        # path posts them in an order that, with the interleaved schedule on two stages, pairs
+        # an activation with a gradient of the same shape; the unbatched path orders
+        # even/odd ranks so they match.
+        batch_p2p_comm=on_gpu,
     )
 
 
@@ -87,11 +92,10 @@ def _layer_spec(cfg: JobConfig, on_gpu: bool):
     impl = cfg.model.transformer_impl
     if impl != "local" and on_gpu:
         try:
+            import transformer_engine  # noqa: F401
             from megatron.core.models.gpt.gpt_layer_specs import (
                 get_gpt_layer_with_transformer_engine_spec,
             )
-
-            import transformer_engine  # noqa: F401
 
             return get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
         except ImportError:
@@ -100,7 +104,9 @@ def _layer_spec(cfg: JobConfig, on_gpu: bool):
     return get_gpt_layer_local_spec(normalization=cfg.model.normalization), "local"
 
 
-def build_model(cfg: JobConfig, tcfg: TransformerConfig, on_gpu: bool) -> list[DistributedDataParallel]:
+def build_model(
+    cfg: JobConfig, tcfg: TransformerConfig, on_gpu: bool
+) -> list[DistributedDataParallel]:
     """One GPTModel chunk per virtual stage, each wrapped in Megatron's DDP."""
     spec, impl = _layer_spec(cfg, on_gpu)
     vp = virtual_pipeline_size(cfg)

@@ -22,9 +22,7 @@ from . import cpu_backend
 log = logging.getLogger(__name__)
 
 
-def connect_store(
-    host: str, port: int, world_size: int, timeout_s: float = 300.0
-) -> dist.TCPStore:
+def connect_store(host: str, port: int, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
     """Client connection to the TCPStore the launcher hosts."""
     return dist.TCPStore(
         host,

@@ -37,9 +37,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
-    )
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
 

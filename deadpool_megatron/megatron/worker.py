@@ -41,7 +41,11 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
     trainer = Trainer(cfg, state, env.world_size, on_gpu)
     if cfg.checkpoint.load:
         trainer.iteration = checkpointing.load(cfg, state)
-    log.info("ready to train in %.1f s (from iteration %d)", time.perf_counter() - start, trainer.iteration)
+    log.info(
+        "ready to train in %.1f s (from iteration %d)",
+        time.perf_counter() - start,
+        trainer.iteration,
+    )
     trainer.train()
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):

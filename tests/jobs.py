@@ -1,0 +1,85 @@
+"""Run real jobs through deadpool-launch, as a user would, and read what they leave behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from deadpool_megatron.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB_TIMEOUT_S = 300
+
+
+@dataclass
+class JobResult:
+    returncode: int
+    output: str
+    losses: dict[int, str]
+    final: dict | None
+
+    @property
+    def digest(self) -> str | None:
+        return self.final["state_digest"] if self.final else None
+
+
+def launch_cmd(nproc: int, args: list[str], spares: int = 0) -> list[str]:
+    return [
+        sys.executable, "-m", "deadpool_megatron.launch",
+        "--nproc-per-node", str(nproc), "--spares", str(spares),
+        str(ROOT / "pretrain_gpt.py"), *args,
+    ]  # fmt: skip
+
+
+def run_job(
+    tmp_path: Path, nproc: int, args: list[str], spares: int = 0, name: str = "run"
+) -> JobResult:
+    """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file."""
+    metrics = tmp_path / f"{name}.jsonl"
+    done = subprocess.run(
+        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares),
+        cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )  # fmt: skip
+    (tmp_path / f"{name}.log").write_text(done.stdout + done.stderr)
+    losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)
+    return JobResult(done.returncode, done.stdout + done.stderr, losses, final)
+
+
+def run_job_and_kill(
+    tmp_path: Path, nproc: int, args: list[str], victim_rank: int, after_iteration: int
+) -> tuple[JobResult, int]:
+    """Start a job, SIGKILL worker `victim_rank` once `after_iteration` is logged."""
+    metrics = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(
+        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)]),
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    victim_pid = None
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if f"started worker rank {victim_rank} " in line:
+                victim_pid = int(line.rsplit("pid ", 1)[1].split(")")[0])
+            if victim_pid and metrics.exists():
+                losses, _ = read_metrics(str(metrics))
+                if after_iteration in losses:
+                    os.kill(victim_pid, signal.SIGKILL)
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the job never reached the kill point")
+        rest, _ = proc.communicate(timeout=120)
+        lines.append(rest)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)
+    return JobResult(proc.returncode, "".join(lines), losses, final), victim_pid

@@ -1,0 +1,88 @@
+"""Flag parsing and validation: every bad value is named, with what would be valid."""
+
+import subprocess
+import sys
+
+import pytest
+
+from deadpool_megatron.errors import ConfigError
+from deadpool_megatron.megatron.arguments import build_parser, parse_job_args
+from jobs import ROOT
+
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml")]
+
+
+def test_demo_config_parses_and_fills_derived_defaults():
+    cfg = parse_job_args(DEMO, world_size=8)
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.parallel.use_distributed_optimizer is True
+    assert cfg.model.ffn_hidden_size == 4 * cfg.model.hidden_size
+    assert cfg.model.max_position_embeddings == cfg.model.seq_length
+    assert cfg.training.lr_decay_iters == cfg.training.train_iters
+
+
+def test_command_line_overrides_config_file():
+    cfg = parse_job_args([*DEMO, "--train-iters", "7", "--no-use-distributed-optimizer"], 8)
+    assert cfg.training.train_iters == 7
+    assert cfg.parallel.use_distributed_optimizer is False
+
+
+def test_every_config_field_is_a_flag_with_help():
+    help_text = build_parser().format_help()
+    for flag in ("--tensor-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+                 "--global-batch-size", "--lr-decay-style", "--save-interval", "--data-path",
+                 "--metrics-jsonl", "--exit-interval", "--tokenizer-type"):  # fmt: skip
+        assert flag in help_text
+
+
+@pytest.mark.parametrize(
+    "args, world, message",
+    [
+        (["--tensor-model-parallel-size", "3"], 8, "world size 8 is not divisible by"),
+        (["--global-batch-size", "10"], 8, "--global-batch-size 10 is not divisible by"),
+        (
+            ["--num-attention-heads", "3", "--hidden-size", "60"],
+            8,
+            "--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (["--num-layers", "3"], 8, "--num-layers 3 is not divisible by"),
+        (["--micro-batch-size", "0"], 8, "--micro-batch-size=0 is invalid"),
+        (["--data-path", "/nonexistent/corpus"], 8, "/nonexistent/corpus.bin does not exist"),
+        (["--bf16", "--fp16"], 8, "--bf16 and --fp16 are both set"),
+        (["--save-interval", "5"], 8, "--save-interval is set but --save is not"),
+        (["--load", "/nonexistent/ckpt"], 8, "--load '/nonexistent/ckpt' is not a directory"),
+        (
+            ["--num-layers-per-virtual-pipeline-stage", "3"],
+            8,
+            "--num-layers-per-virtual-pipeline-stage 3 needs",
+        ),
+    ],
+)
+def test_invalid_combinations_name_the_value(args, world, message):
+    with pytest.raises(ConfigError) as err:
+        parse_job_args([*DEMO, *args], world)
+    assert message in str(err.value)
+
+
+def test_unknown_config_key_is_rejected(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num-layerz: 4\n")
+    with pytest.raises(ConfigError, match="unknown key 'num-layerz'"):
+        parse_job_args(["--config", str(bad)], 1)
+
+
+def test_pretrain_gpt_exits_2_with_one_message_before_importing_torch():
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "pretrain_gpt.py"), *DEMO,
+         "--global-batch-size", "10"],
+        env={"WORLD_SIZE": "8", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        "pretrain_gpt.py: error: --global-batch-size 10 is not divisible by --micro-batch-size "
+        "2 x data-parallel size 2 = 4; use a multiple of 4"
+    ]
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported

@@ -1,0 +1,58 @@
+"""The launcher's own argument checks and its preflight: reported once, nothing started."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from deadpool_megatron.launch import describe_exit
+from jobs import ROOT, launch_cmd
+
+
+def _launch(args: list[str], nproc: int = 8, spares: int = 0):
+    return subprocess.run(
+        launch_cmd(nproc, args, spares), cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bad_job_flags_are_reported_once_and_no_process_starts():
+    done = _launch(["--config", "configs/demo.yaml", "--tensor-model-parallel-size", "3"])
+    assert done.returncode == 2
+    out = done.stdout + done.stderr
+    assert out.count("world size 8 is not divisible by --tensor-model-parallel-size 3") == 1
+    assert "started worker" not in out
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node=0 must be at least 1"),
+        (["--nproc-per-node", "2", "--spares", "-1"], "--spares=-1 must be 0 or more"),
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"],
+            "--node-rank=2 must lie in [0, 1]",
+        ),
+    ],
+)
+def test_bad_launcher_flags_exit_2(flags, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "deadpool_megatron.launch", *flags, str(ROOT / "pretrain_gpt.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_missing_script_is_named():
+    done = subprocess.run(
+        [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "1", "nope.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "script 'nope.py' does not exist" in done.stderr
+
+
+def test_exit_descriptions():
+    assert describe_exit(-signal.SIGKILL) == "was killed by signal SIGKILL"
+    assert describe_exit(3) == "exited with status 3"
