@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from ..config import JobConfig
 
@@ -129,6 +130,8 @@ def build_model(
         )
         if on_gpu:
             model.cuda(torch.cuda.current_device())
+        if cfg.training.bf16 or cfg.training.fp16:
+            model = Float16Module(tcfg, model)  # casts inputs and fp32 outputs, as Megatron-LM
         chunks.append(model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.training.bf16 or cfg.training.fp16,
