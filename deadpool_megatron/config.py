@@ -138,6 +138,19 @@ class SystemConfig:
     distributed_timeout_minutes: float = knob(10.0, "Timeout of collectives, in minutes.")
 
 
+@dataclass
+class DeadpoolConfig:
+    deadpool: bool = knob(
+        False,
+        "Turn DeadPool on: every snapshot interval, copy this rank's state to host memory and "
+        "replicate its optimizer shard to its DP-ring successors (off: the plain training loop).",
+    )
+    deadpool_replicas: int = knob(
+        1, "DP-ring successors holding a replica of each optimizer shard (K adjacent failures)."
+    )
+    deadpool_snapshot_interval: int = knob(1, "Iterations between snapshots.")
+
+
 CONFIG_GROUPS: dict[str, type] = {
     "parallel": ParallelConfig,
     "model": ModelConfig,
@@ -146,6 +159,7 @@ CONFIG_GROUPS: dict[str, type] = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "system": SystemConfig,
+    "deadpool": DeadpoolConfig,
 }
 
 
@@ -160,6 +174,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
+    deadpool: DeadpoolConfig = field(default_factory=DeadpoolConfig)
 
     def flat(self) -> dict[str, Any]:
         """Every knob by its field name, for logging and checkpoint metadata."""
@@ -231,7 +246,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     out = {}
     for key, value in raw.items():
         name = str(key).lstrip("-").replace("-", "_")
-        if name not in known and not name.startswith("deadpool"):
+        if name not in known:
             raise ConfigError(
                 f"--config {path!r}: unknown key {key!r}; keys are flag names, e.g. num-layers"
             )
@@ -384,7 +399,29 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
             os.path.isdir(c.load),
             f"--load {c.load!r} is not a directory; pass a directory written by --save",
         )
+    _validate_deadpool(cfg, dp)
     return cfg
+
+
+def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
+    dpc = cfg.deadpool
+    _require(
+        dpc.deadpool_snapshot_interval >= 1,
+        f"--deadpool-snapshot-interval={dpc.deadpool_snapshot_interval} must be a positive integer",
+    )
+    if not dpc.deadpool:
+        return
+    _require(
+        cfg.parallel.use_distributed_optimizer,
+        "--deadpool needs --use-distributed-optimizer: the optimizer shard each DP rank owns is "
+        "what the ring replicates",
+    )
+    _require(
+        1 <= dpc.deadpool_replicas <= max(1, dp - 1) and dp >= 2,
+        f"--deadpool-replicas {dpc.deadpool_replicas} needs 1 <= K <= data-parallel size - 1 "
+        f"(data-parallel size is {dp}; a replica lives on another DP rank of the same TP/PP "
+        f"coordinates, so DeadPool needs a data-parallel size of at least 2)",
+    )
 
 
 def _is_weight(token: str) -> bool:

@@ -28,6 +28,7 @@ class ProcessEnv:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int
     master_addr: str
     master_port: int | None
     spare_index: int | None
@@ -45,6 +46,7 @@ class ProcessEnv:
             rank=int(env.get("RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(port) if port else None,
             spare_index=int(spare) if spare is not None else None,

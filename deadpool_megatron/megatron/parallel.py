@@ -90,3 +90,30 @@ def coordinates() -> tuple[int, int, int]:
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(),
     )
+
+
+def ring_group(world_size: int, tp: int, pp: int) -> dist.ProcessGroup:
+    """A gloo group over this rank's DP ring, owned by the replication thread alone.
+
+    Every rank creates every DP ring's group, in the same order, from the main thread (group
+    creation is collective), and keeps its own; megatron's own gloo DP group is not reused
+    because a group must never be shared between threads.
+    """
+    from ..topology import Topology
+
+    topo = Topology(world_size, tp, pp)
+    mine = None
+    for rank in range(world_size):
+        ring = topo.dp_group(rank)
+        if ring[0] != rank:
+            continue
+        group = dist.new_group(ranks=ring, backend="gloo")
+        if dist.get_rank() in ring:
+            mine = group
+    expected = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    if sorted(expected) != sorted(topo.dp_group(dist.get_rank())):
+        raise RuntimeError(
+            f"megatron-core's DP group {expected} differs from the ring "
+            f"{topo.dp_group(dist.get_rank())}: unsupported rank order"
+        )
+    return mine

@@ -56,6 +56,7 @@ class Trainer:
             cfg.data, cfg.model, t.seed, num_samples=t.train_iters * t.global_batch_size
         )
         self.iteration = 0
+        self.pipeline = None  # DeadPool's protection pipeline, when --deadpool is on
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
         self.metrics = MetricsWriter(cfg.logging.metrics_jsonl if self.is_logging_rank else None)
         tcfg = state.transformer_config
@@ -102,12 +103,16 @@ class Trainer:
         dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         return (loss / self.dp_size).item()
 
-    def train(self) -> None:
+    def train(self, on_iteration=None) -> None:
+        """Train to --train-iters (or --exit-interval); `on_iteration(trainer)` runs after each
+        iteration's bookkeeping (tests and fault injection hook in there)."""
         t, c = self.cfg.training, self.cfg.checkpoint
         last = min(t.train_iters, t.exit_interval or t.train_iters)
         while self.iteration < last:
             start = time.perf_counter()
             loss = self.train_step()
+            if self.pipeline is not None:
+                self.pipeline.after_step(self.iteration)
             elapsed_ms = (time.perf_counter() - start) * 1000.0
             if self.is_logging_rank and loss is not None:
                 self.metrics.iteration(self.iteration, loss, elapsed_ms)
@@ -127,6 +132,18 @@ class Trainer:
                     )
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 checkpointing.save(self.cfg, self.state, self.iteration)
+            if on_iteration is not None:
+                on_iteration(self)
+
+    def protection_summary(self) -> str:
+        p = self.pipeline
+        r = p.replicator
+        return (
+            f"{p.stats.snapshots} snapshots (last committed iteration {p.committed_iteration()}), "
+            f"{r.stats.sent} replicas sent ({r.stats.bytes_sent / 2**20:.1f} MiB), "
+            f"{r.stats.received} received, {r.stats.rejected} rejected, "
+            f"replica lag max {p.stats.lag_max}, errors {len(p.errors)}"
+        )
 
     def finish(self) -> str:
         digest = state_digest(self.state.model, self.state.optimizer)

@@ -41,6 +41,10 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
     trainer = Trainer(cfg, state, env.world_size, on_gpu)
     if cfg.checkpoint.load:
         trainer.iteration = checkpointing.load(cfg, state)
+    if cfg.deadpool.deadpool:
+        from .hooks import build_pipeline
+
+        trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
     log.info(
         "ready to train in %.1f s (from iteration %d)",
         time.perf_counter() - start,
@@ -50,6 +54,9 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
         checkpointing.save(cfg, state, trainer.iteration)
+    if trainer.pipeline is not None:
+        trainer.pipeline.close()
+        log.info("protection: %s", trainer.protection_summary())
     trainer.finish()
     parallel.destroy_distributed()
     log.debug("worker done")

@@ -1,0 +1,1 @@
+"""In-memory checkpointing: host snapshots and optimizer-shard replicas on the DP ring."""

@@ -1,0 +1,118 @@
+"""Preallocated host buffers with atomic commit.
+
+A `Slot` is one flat byte buffer plus what makes it trustworthy: the iteration it holds, its
+metadata and a checksum over every byte. A slot is committed only after its copy completed and
+its checksum verified; a `SlotPair` (ping-pong) always keeps the last committed slot intact
+while the other one is being written, so a half-written or corrupt copy never replaces it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from ..errors import DeadpoolError
+
+
+def checksum(buffer: torch.Tensor, meta: bytes = b"") -> int:
+    """xxh3-64 over the bytes of a contiguous CPU uint8 buffer, then the metadata."""
+    h = xxhash.xxh3_64()
+    h.update(memoryview(buffer.numpy()))
+    h.update(meta)
+    return h.intdigest()
+
+
+def allocate(nbytes: int, pin: bool) -> torch.Tensor:
+    """A host buffer, touched once now so no page fault lands on the training path."""
+    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
+    buf.zero_()
+    return buf[:nbytes]
+
+
+@dataclass
+class Slot:
+    buffer: torch.Tensor
+    iteration: int = -1
+    meta: bytes = b""
+    checksum: int | None = None
+    committed: bool = False
+    busy: bool = False  # being written, or read by a sender
+
+    def verify(self) -> bool:
+        return self.checksum is not None and checksum(self.buffer, self.meta) == self.checksum
+
+
+class CorruptCopy(DeadpoolError):
+    """A copy whose bytes do not match its checksum; the previous committed copy stays."""
+
+
+class SlotPair:
+    """Two slots of the same size: one holds the last committed copy, one takes the next."""
+
+    def __init__(self, nbytes: int, pin: bool = False):
+        self.slots = [Slot(allocate(nbytes, pin)), Slot(allocate(nbytes, pin))]
+        self.nbytes = nbytes
+        self.lock = threading.Condition()
+
+    def committed(self) -> Slot | None:
+        """The newest committed slot."""
+        with self.lock:
+            done = [s for s in self.slots if s.committed]
+            return max(done, key=lambda s: s.iteration) if done else None
+
+    def acquire_for_write(self) -> Slot:
+        """The slot that is not busy and not the newest committed one (if both are free:
+        the older). Blocks while the other is busy, which a sender never holds for long."""
+        with self.lock:
+            while True:
+                free = [s for s in self.slots if not s.busy]
+                if free:
+                    newest = max(
+                        (s for s in self.slots if s.committed),
+                        key=lambda s: s.iteration,
+                        default=None,
+                    )
+                    candidates = [s for s in free if s is not newest] or free
+                    slot = min(candidates, key=lambda s: s.iteration)
+                    slot.busy = True
+                    slot.committed = False
+                    return slot
+                self.lock.wait()
+
+    def commit(self, slot: Slot, iteration: int, meta: bytes, digest: int | None = None) -> None:
+        """Mark `slot` as holding `iteration` once its bytes verify; raises CorruptCopy else."""
+        actual = checksum(slot.buffer, meta)
+        with self.lock:
+            slot.busy = False
+            if digest is not None and actual != digest:
+                slot.committed = False
+                self.lock.notify_all()
+                raise CorruptCopy(
+                    f"copy of iteration {iteration} failed its checksum "
+                    f"({actual:#018x} != {digest:#018x}); keeping iteration "
+                    f"{self._newest_iteration()}"
+                )
+            slot.iteration, slot.meta, slot.checksum, slot.committed = iteration, meta, actual, True
+            self.lock.notify_all()
+
+    def abandon(self, slot: Slot) -> None:
+        with self.lock:
+            slot.busy = False
+            slot.committed = False
+            self.lock.notify_all()
+
+    def _newest_iteration(self) -> int:
+        done = [s.iteration for s in self.slots if s.committed]
+        return max(done) if done else -1
+
+    def hold(self, slot: Slot) -> None:
+        with self.lock:
+            slot.busy = True
+
+    def release(self, slot: Slot) -> None:
+        with self.lock:
+            slot.busy = False
+            self.lock.notify_all()

@@ -1,0 +1,147 @@
+"""The protection pipeline one training loop calls once per iteration, after the optimizer
+step: snapshot (device-to-host) into ping-pong host buffers, then ring replication of the
+optimizer shard + metadata to the DP-ring successors, both off the critical path.
+
+The only wait the training loop can see is the fence installed as a pre-step hook on the
+optimizer: the next optimizer step must not modify the state while it is still being copied.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from ..errors import ConfigError
+from ..megatron.shard import RankState, view_of
+from .replicator import RingReplicator
+from .snapshot import Snapshotter
+from .transport import Transport
+
+log = logging.getLogger("deadpool.pipeline")
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class PipelineStats:
+    snapshots: int = 0
+    lag_max: int = 0
+    lag_last: int = 0
+    start_ms: list[float] = field(default_factory=list)
+
+
+def check_host_memory(needed_per_rank: int, local_ranks: int) -> None:
+    available = psutil.virtual_memory().available
+    if needed_per_rank * local_ranks > available:
+        raise ConfigError(
+            f"DeadPool needs {needed_per_rank / MiB:.1f} MiB of host memory per rank x "
+            f"{local_ranks} ranks on this node = {needed_per_rank * local_ranks / MiB:.1f} MiB, "
+            f"but only {available / MiB:.1f} MiB is available; lower --deadpool-replicas or "
+            f"use fewer ranks per node"
+        )
+
+
+class ProtectionPipeline:
+    def __init__(
+        self,
+        state: RankState,
+        transport: Transport,
+        successors: list[int],
+        predecessors: list[int],
+        replica_nbytes: dict[int, int],
+        use_cuda: bool,
+        snapshot_interval: int = 1,
+        local_ranks: int = 1,
+        metadata: dict | None = None,
+    ):
+        self.state = state
+        layout = state.layout
+        self.interval = snapshot_interval
+        self.metadata = dict(metadata or {})
+        replicas_total = sum(replica_nbytes[p] for p in predecessors)
+        needed = 2 * layout.total_nbytes + 2 * replicas_total
+        check_host_memory(needed, local_ranks)
+        log.info(
+            "reserving %.1f MiB of host memory: snapshot 2 x %.1f MiB (optimizer shard %.1f + "
+            "parameters %.1f) + 2 x %.1f MiB of replicas from %d predecessor(s)",
+            needed / MiB, layout.total_nbytes / MiB, layout.optimizer_nbytes / MiB,
+            layout.params_nbytes / MiB, replicas_total / MiB, len(predecessors),
+        )  # fmt: skip
+        self._views: dict[int, list[torch.Tensor]] = {}
+        self.snapshotter = Snapshotter(
+            state.tensors, self._views_of, layout.total_nbytes, use_cuda, self._on_commit
+        )
+        self.replicator = RingReplicator(
+            transport,
+            successors,
+            predecessors,
+            self.snapshotter.slots,
+            layout.optimizer_nbytes,
+            replica_nbytes,
+        )
+        self.enabled = True
+        self.stats = PipelineStats()
+        self._hooks = [
+            megatron_opt.optimizer.register_step_pre_hook(self._fence_hook)
+            for megatron_opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
+        ]
+
+    def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        key = buffer.data_ptr()
+        if key not in self._views:
+            self._views[key] = [view_of(buffer, e) for e in self.state.layout.entries]
+        return self._views[key]
+
+    def _fence_hook(self, optimizer, args, kwargs) -> None:
+        self.snapshotter.fence()
+
+    def _on_commit(self, slot) -> None:
+        self.replicator.notify()
+
+    def after_step(self, iteration: int) -> None:
+        """Called once per iteration after the optimizer step: start protecting `iteration`."""
+        if not self.enabled or iteration % self.interval:
+            return
+        if self.stats.snapshots:
+            # The previous snapshot has been on its way for one iteration of compute: how many
+            # snapshots does the newest verified replica of each predecessor trail it by?
+            previous = iteration - self.interval
+            replicated = [self.replicator.committed_iteration(p) for p in self.replicator.predecessors]
+            if replicated:
+                self.stats.lag_last = max(0, (previous - min(replicated)) // self.interval)
+                self.stats.lag_max = max(self.stats.lag_max, self.stats.lag_last)
+        start = time.perf_counter()
+        meta = self.state.capture_metadata(iteration, self.metadata)
+        self.snapshotter.start(iteration, meta)
+        self.stats.start_ms.append((time.perf_counter() - start) * 1000.0)
+        self.stats.snapshots += 1
+
+    def committed_iteration(self) -> int:
+        slot = self.snapshotter.slots.committed()
+        return slot.iteration if slot is not None else -1
+
+    def wait_for_replicas(self, iteration: int, timeout: float = 60.0) -> None:
+        """Block until this rank holds every predecessor's replica of `iteration` (tests)."""
+        self.snapshotter.wait_committed(timeout)
+        deadline = time.monotonic() + timeout
+        for src in self.replicator.predecessors:
+            while self.replicator.committed_iteration(src) < iteration:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no replica of iteration {iteration} from rank {src}")
+                time.sleep(0.002)
+
+    def close(self) -> None:
+        """Commit the last snapshot, replicate it, and stop both threads (agreed stop)."""
+        self.snapshotter.wait_committed()
+        self.replicator.close()
+        self.snapshotter.close()
+        for hook in self._hooks:
+            hook.remove()
+
+    @property
+    def errors(self) -> list[str]:
+        return self.snapshotter.errors + self.replicator.errors

@@ -1,0 +1,193 @@
+"""Ring replication: send this rank's optimizer shard + metadata to its K DP-ring successors,
+and keep verified replicas of its K predecessors' shards.
+
+One background thread per rank runs rounds. In a round it sends the newest committed snapshot
+it has not sent yet to every successor, and receives one message from every predecessor.
+Messages on one edge arrive in order; a message is a fixed-size header, the metadata and the
+optimizer part of the snapshot. A replica is committed only when complete and its xxh3
+checksum matches; otherwise the previous replica stays and the failure is reported.
+Training never waits on this thread: while a slot is being sent, newer snapshots go to the
+other slot, superseding each other (the lag is tracked). Termination is agreed, not local:
+close() makes the last message on every edge carry a stop flag, and the thread ends once it
+has sent its own stop and received every predecessor's.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .buffers import CorruptCopy, Slot, SlotPair
+from .transport import Transport
+
+log = logging.getLogger("deadpool.replicate")
+
+HEADER = struct.Struct("<qqqqQ")  # flags, iteration, meta length, payload length, checksum
+FLAG_DATA = 1
+FLAG_STOP = 2
+
+
+def _payload_checksum(payload: torch.Tensor, meta: bytes) -> int:
+    h = xxhash.xxh3_64()
+    h.update(memoryview(payload.numpy()))
+    h.update(meta)
+    return h.intdigest()
+
+
+@dataclass
+class ReplicationStats:
+    sent: int = 0
+    received: int = 0
+    rejected: int = 0
+    bytes_sent: int = 0
+    last_send_s: float = 0.0
+
+
+class RingReplicator:
+    def __init__(
+        self,
+        transport: Transport,
+        successors: list[int],
+        predecessors: list[int],
+        snapshots: SlotPair,
+        payload_nbytes: int,
+        replica_nbytes: dict[int, int],
+    ):
+        self.transport = transport
+        self.successors = successors
+        self.predecessors = predecessors
+        self.snapshots = snapshots
+        self.payload_nbytes = payload_nbytes
+        # DP ranks own shards of different sizes (parameter boundaries), so each replica is
+        # sized by its owner's layout.
+        self.replicas = {src: SlotPair(replica_nbytes[src]) for src in predecessors}
+        self.stats = ReplicationStats()
+        self.errors: list[str] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._corrupt_next: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="deadpool-replicate", daemon=True)
+        self._thread.start()
+
+    # -- called from the training thread --------------------------------------------------
+    def notify(self) -> None:
+        """A new snapshot was committed."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def replica(self, src: int) -> Slot | None:
+        """The newest committed replica of predecessor `src`'s shard (None before the first)."""
+        return self.replicas[src].committed()
+
+    def committed_iteration(self, src: int) -> int:
+        slot = self.replica(src)
+        return slot.iteration if slot is not None else -1
+
+    def inject_corruption(self, src: int) -> None:
+        """Fault injection: flip bytes of the next replica received from `src`."""
+        with self._cond:
+            self._corrupt_next.add(src)
+
+    def close(self, timeout: float = 120.0) -> None:
+        """Agreed stop: the newest snapshot goes out with the stop flag; joins the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError("the replication thread did not finish its last round")
+
+    # -- the thread -------------------------------------------------------------------------
+    def _next_to_send(self, last_sent: int) -> tuple[Slot | None, bool]:
+        with self._cond:
+            while True:
+                slot = self.snapshots.committed()
+                newer = slot is not None and slot.iteration > last_sent
+                if newer or self._stop:
+                    if newer:
+                        self.snapshots.hold(slot)
+                    return (slot if newer else None), self._stop
+                self._cond.wait(timeout=0.5)
+
+    def _run(self) -> None:
+        last_sent = -1
+        sent_stop = False
+        open_preds = list(self.predecessors)
+        try:
+            while (self.successors and not sent_stop) or open_preds:
+                sends, held = [], None
+                if self.successors and not sent_stop:
+                    held, sent_stop = self._next_to_send(last_sent)
+                    sends = self._post_sends(held, sent_stop)
+                    if held is not None:
+                        last_sent = held.iteration
+                for src in list(open_preds):
+                    if self._receive_one(src):
+                        open_preds.remove(src)
+                start = time.perf_counter()
+                for work in sends:
+                    work.wait()
+                if held is not None:
+                    self.stats.last_send_s = time.perf_counter() - start
+                    self.snapshots.release(held)
+        except Exception as err:  # the job's failure handling takes it from here
+            self.errors.append(str(err))
+            log.error("replication stopped: %s", err)
+
+    def _post_sends(self, slot: Slot | None, stop: bool) -> list:
+        flags = (FLAG_DATA if slot is not None else 0) | (FLAG_STOP if stop else 0)
+        if slot is None:
+            header = HEADER.pack(flags, -1, 0, 0, 0)
+            tensors = [_bytes_tensor(header)]
+        else:
+            payload = slot.buffer[: self.payload_nbytes]
+            digest = _payload_checksum(payload, slot.meta)
+            header = HEADER.pack(flags, slot.iteration, len(slot.meta), self.payload_nbytes, digest)
+            tensors = [_bytes_tensor(header), _bytes_tensor(slot.meta), payload]
+        works = []
+        for dst in self.successors:
+            works.extend(self.transport.isend(t, dst) for t in tensors if t.numel())
+        if slot is not None:
+            self.stats.sent += 1
+            self.stats.bytes_sent += self.payload_nbytes * len(self.successors)
+        return works
+
+    def _receive_one(self, src: int) -> bool:
+        """Receive one message from `src`; True when it carried the stop flag."""
+        header = torch.empty(HEADER.size, dtype=torch.uint8)
+        self.transport.irecv(header, src).wait()
+        flags, iteration, meta_len, payload_len, digest = HEADER.unpack(header.numpy().tobytes())
+        if flags & FLAG_DATA:
+            meta = torch.empty(meta_len, dtype=torch.uint8)
+            if meta_len:
+                self.transport.irecv(meta, src).wait()
+            pair = self.replicas[src]
+            if payload_len != pair.nbytes:
+                raise RuntimeError(
+                    f"rank {src} sent a {payload_len}-byte shard; its replica holds {pair.nbytes}"
+                )
+            slot = pair.acquire_for_write()
+            self.transport.irecv(slot.buffer, src).wait()
+            with self._cond:
+                corrupt = src in self._corrupt_next
+                self._corrupt_next.discard(src)
+            if corrupt:
+                slot.buffer[: min(64, payload_len)] ^= 0xFF
+            try:
+                pair.commit(slot, iteration, meta.numpy().tobytes(), digest)
+                self.stats.received += 1
+            except CorruptCopy as err:
+                self.stats.rejected += 1
+                self.errors.append(f"replica from rank {src}: {err}")
+                log.error("rejected replica from rank %d: %s", src, err)
+        return bool(flags & FLAG_STOP)
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

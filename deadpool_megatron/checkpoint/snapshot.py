@@ -1,0 +1,119 @@
+"""Device-to-host snapshot of a rank's full state, off the critical path.
+
+`start(iteration, meta)` runs right after the optimizer step. On CUDA it enqueues
+non-blocking copies on a dedicated copy stream into pinned host memory and records an event;
+on CPU a background thread performs the copies. Either way the training loop goes on at once:
+the copy only has to finish before the next optimizer step modifies the state again, and
+`fence()` (installed as a pre-step hook on the optimizer) waits for exactly that: on CUDA as
+a stream wait on the event (no host stall), on CPU by joining the copy. A completion thread
+then checksums the host bytes and commits the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from .buffers import Slot, SlotPair
+
+log = logging.getLogger("deadpool.snapshot")
+
+
+class Snapshotter:
+    def __init__(
+        self,
+        tensors_fn: Callable[[], list[torch.Tensor]],
+        views_fn: Callable[[torch.Tensor], list[torch.Tensor]],
+        nbytes: int,
+        use_cuda: bool,
+        on_commit: Callable[[Slot], None] | None = None,
+    ):
+        self._tensors_fn = tensors_fn
+        self._views_fn = views_fn
+        self.use_cuda = use_cuda
+        self.slots = SlotPair(nbytes, pin=use_cuda)
+        self._on_commit = on_commit
+        self._stream = torch.cuda.Stream() if use_cuda else None
+        self._work: queue.Queue = queue.Queue()
+        self._copy_done = threading.Event()
+        self._copy_done.set()
+        self._event = None
+        self.last_copy_s = 0.0
+        self.last_commit_s = 0.0
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True)
+        self._thread.start()
+
+    def start(self, iteration: int, meta: bytes) -> None:
+        """Begin copying the live state of `iteration`; returns without waiting."""
+        self.fence()
+        slot = self.slots.acquire_for_write()
+        sources = self._tensors_fn()
+        targets = self._views_fn(slot.buffer)
+        self._copy_done.clear()
+        if self.use_cuda:
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for dst, src in zip(targets, sources, strict=True):
+                    dst.copy_(src.reshape(dst.shape), non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+            self._copy_done.set()  # the host side is done; the event tracks the device side
+        self._work.put((slot, iteration, meta, sources, targets, self._event))
+
+    def fence(self) -> None:
+        """Block until the in-flight copy no longer reads the live tensors."""
+        if self.use_cuda:
+            if self._event is not None:
+                torch.cuda.current_stream().wait_event(self._event)
+            return
+        self._copy_done.wait()
+
+    def wait_committed(self, timeout: float | None = None) -> None:
+        """Wait until every started snapshot is committed (tests, shutdown)."""
+        self._work.join() if timeout is None else _join_with_timeout(self._work, timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                self._work.task_done()
+                return
+            slot, iteration, meta, sources, targets, event = item
+            try:
+                start = time.perf_counter()
+                if event is not None:
+                    event.synchronize()
+                else:
+                    with torch.no_grad():
+                        for dst, src in zip(targets, sources, strict=True):
+                            dst.copy_(src.reshape(dst.shape))
+                    self._copy_done.set()
+                copied = time.perf_counter()
+                self.slots.commit(slot, iteration, meta)
+                self.last_copy_s = copied - start
+                self.last_commit_s = time.perf_counter() - copied
+                if self._on_commit is not None:
+                    self._on_commit(slot)
+            except Exception as err:  # a failed snapshot must not kill training; report it
+                self._copy_done.set()
+                self.slots.abandon(slot)
+                self.errors.append(f"iteration {iteration}: {err}")
+                log.error("snapshot of iteration %d failed: %s", iteration, err)
+            finally:
+                self._work.task_done()
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(timeout=30)
+
+
+def _join_with_timeout(q: queue.Queue, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while q.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.001)

@@ -1,0 +1,197 @@
+"""Read and write one rank's full state: its distributed-optimizer shard, its local model
+parameters, and the metadata that makes a restored rank continue bitwise identically.
+
+This is the single adapter between the snapshot/replication pipeline and megatron-core's
+optimizer internals. The state is laid out as one flat byte range: the optimizer shard first
+(fp32 main parameters, then each Adam state tensor, per parameter of every inner torch
+optimizer), then the model parameters (TP/PP-local; every DP peer holds the same). Only the
+first part is replicated; parameters come from a same-coordinate DP peer on recovery.
+
+The layout is planned at start-up from parameter shapes, before the optimizer has state
+(torch's AdamW creates it lazily on the first step), so host buffers are allocated once; the
+first capture checks the live state against the plan.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core import tensor_parallel
+
+from ..errors import DeadpoolError
+from .digest import inner_optimizers
+
+# torch AdamW keeps `step` per parameter; TE/apex FusedAdam keep it in the param groups.
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Where every live tensor sits in the flat snapshot buffer."""
+
+    entries: tuple[Entry, ...]
+    optimizer_nbytes: int
+    total_nbytes: int
+
+    @property
+    def params_nbytes(self) -> int:
+        return self.total_nbytes - self.optimizer_nbytes
+
+
+def _align(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
+def _has_step_in_state(torch_opt) -> bool:
+    return isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW))
+
+
+class RankState:
+    """The live tensors of one rank, bound to a fixed StateLayout."""
+
+    def __init__(self, model: list, optimizer, scheduler):
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self._optimizer_specs = self._plan_optimizer()
+        self._param_tensors = [
+            (f"model{i}.{name}", p)
+            for i, chunk in enumerate(model)
+            for name, p in sorted(chunk.named_parameters())
+        ]
+        entries, offset = [], 0
+        for name, dtype, shape in self._optimizer_specs:
+            nbytes = _numel(shape) * _itemsize(dtype)
+            entries.append(Entry(name, offset, nbytes, dtype, shape))
+            offset = _align(offset + nbytes)
+        optimizer_nbytes = offset
+        for name, p in self._param_tensors:
+            entries.append(Entry(name, offset, p.numel() * p.element_size(), p.dtype, tuple(p.shape)))
+            offset = _align(offset + p.numel() * p.element_size())
+        self.layout = StateLayout(tuple(entries), optimizer_nbytes, offset)
+        self._bound: list[torch.Tensor] | None = None
+
+    def _plan_optimizer(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        specs = []
+        for j, megatron_opt in enumerate(inner_optimizers(self.optimizer)):
+            torch_opt = megatron_opt.optimizer
+            with_step = _has_step_in_state(torch_opt)
+            for g, group in enumerate(torch_opt.param_groups):
+                for k, main in enumerate(group["params"]):
+                    base = f"opt{j}.g{g}.p{k}"
+                    shape = tuple(main.shape)
+                    specs.append((f"{base}.param", main.dtype, shape))
+                    specs.extend((f"{base}.{m}", main.dtype, shape) for m in _ADAM_MOMENTS)
+                    if with_step:
+                        specs.append((f"{base}.step", torch.float32, ()))
+        return specs
+
+    def _live_optimizer_tensors(self) -> list[torch.Tensor]:
+        tensors = []
+        for megatron_opt in inner_optimizers(self.optimizer):
+            torch_opt = megatron_opt.optimizer
+            with_step = _has_step_in_state(torch_opt)
+            for group in torch_opt.param_groups:
+                for main in group["params"]:
+                    state = torch_opt.state.get(main, {})
+                    tensors.append(main)
+                    keys = [*_ADAM_MOMENTS, "step"] if with_step else list(_ADAM_MOMENTS)
+                    missing = [key for key in keys if key not in state]
+                    if missing:
+                        raise DeadpoolError(
+                            f"optimizer state has no {missing} yet: snapshots start after the "
+                            f"first optimizer step"
+                        )
+                    tensors.extend(state[key] for key in keys)
+        return tensors
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Live tensors in layout order (re-read: load_state_dict may replace state tensors)."""
+        live = self._live_optimizer_tensors() + [p for _, p in self._param_tensors]
+        for entry, t in zip(self.layout.entries, live, strict=True):
+            if t.dtype != entry.dtype or tuple(t.shape) != entry.shape:
+                raise DeadpoolError(
+                    f"live tensor {entry.name} is {t.dtype}{tuple(t.shape)} but the snapshot "
+                    f"layout planned {entry.dtype}{entry.shape}"
+                )
+        return live
+
+    # -- metadata ---------------------------------------------------------------------------
+    def capture_metadata(self, iteration: int, extra: dict) -> bytes:
+        """Everything besides tensors that a restored rank needs, as bytes."""
+        grad_scaler = getattr(inner_optimizers(self.optimizer)[0], "grad_scaler", None)
+        meta = {
+            "iteration": iteration,
+            "scheduler": self.scheduler.state_dict(),
+            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+            "rng": {
+                "random": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+                "tracker": {
+                    k: v.clone()
+                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()
+                },
+            },
+            **extra,
+        }
+        return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def restore_metadata(self, blob: bytes) -> dict:
+        meta = pickle.loads(blob)
+        # load_state_dict *advances* the scheduler by the saved step count: start from zero so a
+        # surviving rank that rolls back lands on the saved count, not on the sum.
+        self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(meta["scheduler"])
+        grad_scaler = getattr(inner_optimizers(self.optimizer)[0], "grad_scaler", None)
+        if grad_scaler is not None and meta["grad_scaler"] is not None:
+            grad_scaler.load_state_dict(meta["grad_scaler"])
+        rng = meta["rng"]
+        random.setstate(rng["random"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        return meta
+
+    # -- bulk copies ------------------------------------------------------------------------
+    @torch.no_grad()
+    def write_from(self, flat: torch.Tensor, optimizer: bool = True, params: bool = True) -> None:
+        """Copy bytes of a flat host buffer back into the live tensors."""
+        n_opt = len(self._optimizer_specs)
+        for i, (entry, t) in enumerate(zip(self.layout.entries, self.tensors(), strict=True)):
+            if (i < n_opt and not optimizer) or (i >= n_opt and not params):
+                continue
+            src = flat[entry.offset : entry.offset + entry.nbytes]
+            t.copy_(src.view(entry.dtype).view(entry.shape), non_blocking=False)
+
+
+def view_of(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The part of a flat uint8 buffer that holds `entry`, typed and shaped like it."""
+    return flat[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
