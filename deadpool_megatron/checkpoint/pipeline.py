@@ -110,7 +110,9 @@ class ProtectionPipeline:
             # The previous snapshot has been on its way for one iteration of compute: how many
             # snapshots does the newest verified replica of each predecessor trail it by?
             previous = iteration - self.interval
-            replicated = [self.replicator.committed_iteration(p) for p in self.replicator.predecessors]
+            replicated = [
+                self.replicator.committed_iteration(p) for p in self.replicator.predecessors
+            ]
             if replicated:
                 self.stats.lag_last = max(0, (previous - min(replicated)) // self.interval)
                 self.stats.lag_max = max(self.stats.lag_max, self.stats.lag_last)
@@ -124,11 +126,14 @@ class ProtectionPipeline:
         slot = self.snapshotter.slots.committed()
         return slot.iteration if slot is not None else -1
 
-    def wait_for_replicas(self, iteration: int, timeout: float = 60.0) -> None:
-        """Block until this rank holds every predecessor's replica of `iteration` (tests)."""
+    def wait_for_replicas(
+        self, iteration: int, sources: list[int] | None = None, timeout: float = 60.0
+    ) -> None:
+        """Block until this rank holds the replica of `iteration` from each of `sources`
+        (default: every predecessor)."""
         self.snapshotter.wait_committed(timeout)
         deadline = time.monotonic() + timeout
-        for src in self.replicator.predecessors:
+        for src in self.replicator.predecessors if sources is None else sources:
             while self.replicator.committed_iteration(src) < iteration:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no replica of iteration {iteration} from rank {src}")

@@ -79,7 +79,9 @@ class RankState:
             offset = _align(offset + nbytes)
         optimizer_nbytes = offset
         for name, p in self._param_tensors:
-            entries.append(Entry(name, offset, p.numel() * p.element_size(), p.dtype, tuple(p.shape)))
+            entries.append(
+                Entry(name, offset, p.numel() * p.element_size(), p.dtype, tuple(p.shape))
+            )
             offset = _align(offset + p.numel() * p.element_size())
         self.layout = StateLayout(tuple(entries), optimizer_nbytes, offset)
         self._bound: list[torch.Tensor] | None = None

@@ -82,7 +82,10 @@ class Checks:
     def __call__(self, trainer) -> None:
         i = trainer.iteration
         pipeline = trainer.pipeline
-        pipeline.wait_for_replicas(i - 1 if self._corrupting(i) else i)
+        corrupted = {s for it, v, s in self.args.corrupt if it == i and v == self.rank}
+        preds = pipeline.replicator.predecessors
+        pipeline.wait_for_replicas(i, [s for s in preds if s not in corrupted])
+        pipeline.wait_for_replicas(i - 1, [s for s in preds if s in corrupted])
         if self.args.check_replicas:
             self.check_replicas(trainer, i)
         for it, victim in self.args.wipe_replica:
@@ -97,9 +100,6 @@ class Checks:
             if it == i:
                 self.check_corrupt(trainer, victim, src, i)
         dist.barrier()
-
-    def _corrupting(self, i: int) -> bool:
-        return any(it == i and self.rank == victim for it, victim, _ in self.args.corrupt)
 
     def check_replicas(self, trainer, i: int) -> None:
         pipeline = trainer.pipeline
@@ -138,7 +138,9 @@ class Checks:
             optimizer_part, meta, it_opt = recv_part(layout.optimizer_nbytes, successor)
             params_part, _, it_params = recv_part(layout.params_nbytes, peer)
             assert it_opt == it_params == trainer.iteration, (it_opt, it_params)
-            trainer.iteration = restore_from_parts(pipeline.state, optimizer_part, meta, params_part)
+            trainer.iteration = restore_from_parts(
+                pipeline.state, optimizer_part, meta, params_part
+            )
             self.restored_here.append(
                 ["replica", trainer.iteration, victim, time.perf_counter() - start]
             )

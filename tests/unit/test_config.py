@@ -56,6 +56,22 @@ def test_every_config_field_is_a_flag_with_help():
             8,
             "--num-layers-per-virtual-pipeline-stage 3 needs",
         ),
+        (
+            ["--deadpool", "--no-use-distributed-optimizer"],
+            8,
+            "--deadpool needs --use-distributed-optimizer",
+        ),
+        (
+            ["--deadpool", "--deadpool-replicas", "2"],
+            8,
+            "--deadpool-replicas 2 needs 1 <= K <= data-parallel size - 1 (data-parallel size is 2",
+        ),
+        (
+            ["--deadpool", "--tensor-model-parallel-size", "4"],
+            8,
+            "DeadPool needs a data-parallel size of at least 2",
+        ),
+        (["--deadpool-snapshot-interval", "0"], 8, "--deadpool-snapshot-interval=0 must be"),
     ],
 )
 def test_invalid_combinations_name_the_value(args, world, message):
