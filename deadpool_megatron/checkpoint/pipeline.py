@@ -31,6 +31,7 @@ class PipelineStats:
     snapshots: int = 0
     lag_max: int = 0
     lag_last: int = 0
+    lag_by_iteration: dict[int, int] = field(default_factory=dict)
     start_ms: list[float] = field(default_factory=list)
 
 
@@ -83,12 +84,24 @@ class ProtectionPipeline:
             layout.optimizer_nbytes,
             replica_nbytes,
         )
-        self.enabled = True
         self.stats = PipelineStats()
+        self._previous: int | None = None  # iteration of the last snapshot started
+        self._enabled = True
         self._hooks = [
             megatron_opt.optimizer.register_step_pre_hook(self._fence_hook)
             for megatron_opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
         ]
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        """Switch protection on or off between iterations (the overhead benchmark does)."""
+        if on and not self._enabled:
+            self._previous = None  # the lag restarts with the next snapshot
+        self._enabled = on
 
     def _views_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         key = buffer.data_ptr()
@@ -106,16 +119,18 @@ class ProtectionPipeline:
         """Called once per iteration after the optimizer step: start protecting `iteration`."""
         if not self.enabled or iteration % self.interval:
             return
-        if self.stats.snapshots:
+        if self._previous is not None:
             # The previous snapshot has been on its way for one iteration of compute: how many
             # snapshots does the newest verified replica of each predecessor trail it by?
-            previous = iteration - self.interval
             replicated = [
                 self.replicator.committed_iteration(p) for p in self.replicator.predecessors
             ]
             if replicated:
-                self.stats.lag_last = max(0, (previous - min(replicated)) // self.interval)
+                behind = max(0, self._previous - min(replicated))
+                self.stats.lag_last = -(-behind // self.interval)
                 self.stats.lag_max = max(self.stats.lag_max, self.stats.lag_last)
+                self.stats.lag_by_iteration[iteration] = self.stats.lag_last
+        self._previous = iteration
         start = time.perf_counter()
         meta = self.state.capture_metadata(iteration, self.metadata)
         self.snapshotter.start(iteration, meta)

@@ -18,7 +18,7 @@ import logging
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -46,7 +46,8 @@ class ReplicationStats:
     received: int = 0
     rejected: int = 0
     bytes_sent: int = 0
-    last_send_s: float = 0.0
+    send_s: list[float] = field(default_factory=list)  # per replica: posting to all sent
+    cpu_s: list[float] = field(default_factory=list)  # per round: this thread's CPU time
 
 
 class RingReplicator:
@@ -121,21 +122,22 @@ class RingReplicator:
         open_preds = list(self.predecessors)
         try:
             while (self.successors and not sent_stop) or open_preds:
-                sends, held = [], None
+                sends, held, cpu = [], None, time.thread_time()
                 if self.successors and not sent_stop:
                     held, sent_stop = self._next_to_send(last_sent)
+                    posted = time.perf_counter()
                     sends = self._post_sends(held, sent_stop)
                     if held is not None:
                         last_sent = held.iteration
                 for src in list(open_preds):
                     if self._receive_one(src):
                         open_preds.remove(src)
-                start = time.perf_counter()
                 for work in sends:
                     work.wait()
                 if held is not None:
-                    self.stats.last_send_s = time.perf_counter() - start
+                    self.stats.send_s.append(time.perf_counter() - posted)
                     self.snapshots.release(held)
+                self.stats.cpu_s.append(time.thread_time() - cpu)
         except Exception as err:  # the job's failure handling takes it from here
             self.errors.append(str(err))
             log.error("replication stopped: %s", err)

@@ -43,8 +43,9 @@ class Snapshotter:
         self._copy_done = threading.Event()
         self._copy_done.set()
         self._event = None
-        self.last_copy_s = 0.0
-        self.last_commit_s = 0.0
+        self.copy_s: list[float] = []  # per snapshot: device-to-host copy
+        self.commit_s: list[float] = []  # per snapshot: checksum + commit
+        self.cpu_s: list[float] = []  # per snapshot: CPU time this thread spent on it
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True)
         self._thread.start()
@@ -86,7 +87,7 @@ class Snapshotter:
                 return
             slot, iteration, meta, sources, targets, event = item
             try:
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 if event is not None:
                     event.synchronize()
                 else:
@@ -96,8 +97,9 @@ class Snapshotter:
                     self._copy_done.set()
                 copied = time.perf_counter()
                 self.slots.commit(slot, iteration, meta)
-                self.last_copy_s = copied - start
-                self.last_commit_s = time.perf_counter() - copied
+                self.copy_s.append(copied - start)
+                self.commit_s.append(time.perf_counter() - copied)
+                self.cpu_s.append(time.thread_time() - cpu)
                 if self._on_commit is not None:
                     self._on_commit(slot)
             except Exception as err:  # a failed snapshot must not kill training; report it
