@@ -7,7 +7,7 @@ medians, the snapshot (device-to-host copy, checksum) and replication times per 
 bytes per iteration and the maximum replica lag, writes JSON and a PNG, and ends with one JSON
 line: {"median_iter_ms_off", "median_iter_ms_on", "ratio", "replica_lag_max", ...}.
 
-    python scripts/bench_overhead.py                     # 2 CPU ranks (DP2), ~40 MB shards
+    python scripts/bench_overhead.py                     # 2 CPU ranks (DP2), 41 MB shards
     python scripts/bench_overhead.py --nproc 8 --tp 2 --pp 2
 """
 
@@ -34,7 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden-size", type=int, default=384)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
+    # 64 x 128 tokens = 4096 tokens per DP rank per iteration: still ~10x fewer than a typical
+    # LLM run gives each GPU, and the overhead on a CPU node scales with state / compute.
+    p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--window", type=int, default=5, help="iterations per window (default 5)")
@@ -88,17 +90,20 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
     trainer = Trainer(cfg, state, env.world_size, on_gpu)
     pipeline = trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
     pipeline.enabled = protection_on(1, a.warmup, a.window)
-    samples: list[tuple[int, bool, float]] = []
-    last = [time.perf_counter()]
+    samples: list[tuple[int, bool, float, float]] = []
+    last = [time.perf_counter(), time.process_time()]
 
     def on_iteration(t) -> None:
-        now = time.perf_counter()
-        samples.append((t.iteration, pipeline.enabled, (now - last[0]) * 1000.0))
+        # Wall time, and CPU time of the whole process (every thread, user + system).
+        now, cpu = time.perf_counter(), time.process_time()
+        samples.append(
+            (t.iteration, pipeline.enabled, (now - last[0]) * 1000.0, (cpu - last[1]) * 1000.0)
+        )
         nxt = protection_on(t.iteration + 1, a.warmup, a.window)
         if pipeline.enabled and not nxt:  # drain, outside the timed span
             pipeline.snapshotter.wait_committed()
         pipeline.enabled = nxt
-        last[0] = time.perf_counter()
+        last[0], last[1] = time.perf_counter(), time.process_time()
 
     trainer.train(on_iteration=on_iteration)
     pipeline.close()
@@ -111,7 +116,8 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
             x * 1000 for x in pipeline.snapshotter.cpu_s + pipeline.replicator.stats.cpu_s
         ],
         "snapshot_bytes": pipeline.state.layout.total_nbytes,
-        "replica_bytes": pipeline.state.layout.optimizer_nbytes * len(pipeline.replicator.successors),
+        "replica_bytes": pipeline.state.layout.optimizer_nbytes
+        * len(pipeline.replicator.successors),
         "lag_max": pipeline.stats.lag_max,
         "lag": pipeline.stats.lag_by_iteration,
         "rejected": pipeline.replicator.stats.rejected,
@@ -130,11 +136,14 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
 def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
     # An iteration takes as long as its slowest rank: collectives synchronise them.
     per_iter: dict[int, list[float]] = {}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     state: dict[int, bool] = {}
     for r in ranks:
-        for it, on, ms in r["samples"]:
+        for it, on, ms, cpu_ms in r["samples"]:
             per_iter.setdefault(it, []).append(ms)
             state[it] = on
+            if it > a.warmup:
+                cpu[on].append(cpu_ms)
     windows = []
     for w in range(a.windows):
         its = range(a.warmup + w * a.window + 1, a.warmup + (w + 1) * a.window + 1)
@@ -148,6 +157,7 @@ def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
         return statistics.mean(vals) if vals else 0.0
 
     median_off, median_on = statistics.median(off), statistics.median(on)
+    cpu_extra = statistics.median(cpu[True]) - statistics.median(cpu[False])
     return {
         "windows": windows,
         "median_iter_ms_off": round(median_off, 2),
@@ -161,6 +171,12 @@ def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
         "background_cpu_ms_per_iter": round(
             sum(v for r in ranks for v in r["thread_cpu_ms"]) / len(ranks) / max(1, len(on)), 2
         ),
+        # The profile: what protection costs each rank in CPU time per iteration (all threads,
+        # gloo's and the kernel's loopback copies included). With every core computing, CPU
+        # taken is wall time lost: the ratio this predicts is 1 + cpu_extra / median_off.
+        "cpu_ms_per_iter_off": round(statistics.median(cpu[False]), 2),
+        "cpu_ms_per_iter_on": round(statistics.median(cpu[True]), 2),
+        "predicted_ratio_from_cpu": round(1 + cpu_extra / median_off, 4),
         "snapshot_mb_per_iter_per_rank": round(ranks[0]["snapshot_bytes"] / 2**20, 2),
         "replica_mb_sent_per_iter_per_rank": round(ranks[0]["replica_bytes"] / 2**20, 2),
         "replica_lag_max": max(r["lag_max"] for r in ranks),
@@ -230,6 +246,7 @@ def main(argv=None) -> int:
     )
     keys = ("median_iter_ms_off", "median_iter_ms_on", "ratio", "replica_lag_max",
             "snapshot_copy_ms", "snapshot_checksum_ms", "replicate_ms", "background_cpu_ms_per_iter",
+            "cpu_ms_per_iter_off", "cpu_ms_per_iter_on", "predicted_ratio_from_cpu",
             "snapshot_mb_per_iter_per_rank", "replica_mb_sent_per_iter_per_rank", "shape")  # fmt: skip
     print(json.dumps({k: summary[k] for k in keys}))
     return 0

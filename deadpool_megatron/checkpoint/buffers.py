@@ -8,7 +8,6 @@ while the other one is being written, so a half-written or corrupt copy never re
 
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass
 
@@ -24,19 +23,6 @@ def checksum(buffer: torch.Tensor, meta: bytes = b"") -> int:
     h.update(memoryview(buffer.numpy()))
     h.update(meta)
     return h.intdigest()
-
-
-def lower_thread_priority(niceness: int = 19) -> None:
-    """Make the calling background thread yield the CPU to the training threads.
-
-    Linux schedules threads individually, so a nice value on this thread alone lets the
-    snapshot and replication work soak up idle cycles (collective waits) instead of taking
-    cycles from compute. Elsewhere it is a no-op.
-    """
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-    except (AttributeError, OSError):
-        pass
 
 
 def allocate(nbytes: int, pin: bool) -> torch.Tensor:

@@ -130,6 +130,12 @@ class ProtectionPipeline:
                 self.stats.lag_last = -(-behind // self.interval)
                 self.stats.lag_max = max(self.stats.lag_max, self.stats.lag_last)
                 self.stats.lag_by_iteration[iteration] = self.stats.lag_last
+                if self.stats.lag_last > 1:
+                    log.warning(
+                        "replica lag %d at iteration %d: the ring has not replicated snapshot "
+                        "%d yet (newest replica: %d)",
+                        self.stats.lag_last, iteration, self._previous, min(replicated),
+                    )  # fmt: skip
         self._previous = iteration
         start = time.perf_counter()
         meta = self.state.capture_metadata(iteration, self.metadata)

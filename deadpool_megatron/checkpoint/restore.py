@@ -51,6 +51,35 @@ def send_part(data: torch.Tensor, meta: bytes, iteration: int, dst: int, group=N
     dist.send(data.contiguous(), dst, group=group)
 
 
+def send_replica(replicator, owner: int, dst: int, group=None) -> int:
+    """Serve the committed replica of `owner`'s shard to `dst`, holding it meanwhile so the
+    replication thread cannot overwrite it; returns the iteration sent."""
+    pair = replicator.replicas[owner]
+    slot = pair.committed()
+    if slot is None:
+        raise DeadpoolError(f"this rank holds no committed replica of rank {owner}'s shard")
+    pair.hold(slot)
+    try:
+        send_part(slot.buffer, slot.meta, slot.iteration, dst, group)
+    finally:
+        pair.release(slot)
+    return slot.iteration
+
+
+def send_parameters(snapshots, optimizer_nbytes: int, dst: int, group=None) -> int:
+    """Serve the parameter part of this rank's committed snapshot to `dst` (a DP peer with
+    the same TP/PP coordinates needs exactly these bytes); returns the iteration sent."""
+    slot = snapshots.committed()
+    if slot is None:
+        raise DeadpoolError("this rank has no committed snapshot to serve parameters from")
+    snapshots.hold(slot)
+    try:
+        send_part(slot.buffer[optimizer_nbytes:], b"", slot.iteration, dst, group)
+    finally:
+        snapshots.release(slot)
+    return slot.iteration
+
+
 def recv_part(nbytes: int, src: int, group=None) -> tuple[torch.Tensor, bytes, int]:
     """Receive a part sent by send_part; raises DeadpoolError when it arrives corrupt."""
     header = torch.empty(_HEADER.size, dtype=torch.uint8)

@@ -28,7 +28,8 @@ from deadpool_megatron.checkpoint.restore import (
     recv_part,
     restore_from_parts,
     restore_from_snapshot,
-    send_part,
+    send_parameters,
+    send_replica,
 )
 from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron import parallel
@@ -145,11 +146,9 @@ class Checks:
                 ["replica", trainer.iteration, victim, time.perf_counter() - start]
             )
         if self.rank == successor:
-            slot = pipeline.replicator.replica(victim)
-            send_part(slot.buffer, slot.meta, slot.iteration, victim)
+            send_replica(pipeline.replicator, victim, victim)
         if self.rank == peer:
-            own = pipeline.snapshotter.slots.committed()
-            send_part(own.buffer[layout.optimizer_nbytes :], b"", own.iteration, victim)
+            send_parameters(pipeline.snapshotter.slots, layout.optimizer_nbytes, victim)
         self._share_restored()
 
     def restore_local(self, trainer, victim: int) -> None:
