@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+import psutil
 import torch.distributed as dist
 
 from ..config import JobConfig
@@ -46,10 +47,10 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
 
         trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
     log.info(
-        "ready to train in %.1f s (from iteration %d)",
-        time.perf_counter() - start,
+        "ready to train %.1f s after process start (set-up %.1f s), from iteration %d",
+        time.time() - psutil.Process().create_time(), time.perf_counter() - start,
         trainer.iteration,
-    )
+    )  # fmt: skip
     trainer.train()
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
