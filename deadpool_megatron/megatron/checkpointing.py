@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -28,6 +26,7 @@ from ..errors import CheckpointError
 from .cpu_backend import is_active as is_cpu
 from .digest import inner_optimizers
 from .model import TrainState
+from .rng import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -51,25 +50,6 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def _rng_state() -> dict:
-    return {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> dict:
     sd: dict = {}
     if len(state.model) == 1:
@@ -85,7 +65,7 @@ def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> 
     ps = parallel_state
     sd["rng_state"] = ShardedObject(
         "rng_state",
-        _rng_state(),
+        capture_rng_state(),
         (
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_tensor_model_parallel_world_size(),
@@ -155,7 +135,7 @@ def load(cfg: JobConfig, state: TrainState) -> int:
         state.optimizer.load_state_dict(loaded["optimizer"])
     restore_adam_step(state.optimizer, loaded["optimizer"])
     state.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    _set_rng_state(loaded["rng_state"])
+    restore_rng_state(loaded["rng_state"])
     log.log(
         logging.INFO if dist.get_rank() == 0 else logging.DEBUG,
         "loaded checkpoint of iteration %d from %s in %.2f s",

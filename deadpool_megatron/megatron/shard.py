@@ -15,15 +15,13 @@ first capture checks the live state against the plan.
 from __future__ import annotations
 
 import pickle
-import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from megatron.core import tensor_parallel
 
 from ..errors import DeadpoolError
 from .digest import inner_optimizers
+from .rng import capture_rng_state, restore_rng_state
 
 # torch AdamW keeps `step` per parameter; TE/apex FusedAdam keep it in the param groups.
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -139,16 +137,7 @@ class RankState:
             "iteration": iteration,
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-            "rng": {
-                "random": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                "tracker": {
-                    k: v.clone()
-                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()
-                },
-            },
+            "rng": capture_rng_state(),
             **extra,
         }
         return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
@@ -162,13 +151,7 @@ class RankState:
         grad_scaler = getattr(inner_optimizers(self.optimizer)[0], "grad_scaler", None)
         if grad_scaler is not None and meta["grad_scaler"] is not None:
             grad_scaler.load_state_dict(meta["grad_scaler"])
-        rng = meta["rng"]
-        random.setstate(rng["random"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        restore_rng_state(meta["rng"])
         return meta
 
     # -- bulk copies ------------------------------------------------------------------------

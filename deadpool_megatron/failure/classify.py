@@ -1,0 +1,220 @@
+"""Evidence -> decision: does the failed rank reset locally (transient) or get hot-swapped?
+
+A pure function, so the rules below are tested as a table. Precedence, strongest first, and why:
+
+1. `ProcessExited`: the operating system's word; the process is gone, nothing can reset it.
+   Any collective error or heartbeat evidence about the same rank is a symptom of the exit.
+2. `HeartbeatStale`: the process is hung or unreachable; a process that cannot beat cannot be
+   trusted to reset itself (and a hung gloo collective cannot be aborted from another thread,
+   so the launcher fences it), even if the same rank also reported a transient error.
+3. `HealthCheckFailed`: alive but unfit (device, memory); resetting in place would fail again.
+4. `CudaError` that is not recoverable: the CUDA context is lost, only a new process helps.
+5. Transient evidence the rank reports about itself: `InjectedTransient`, a recoverable
+   `CudaError`, a `CollectiveError` whose message is a local fault. Earliest wins.
+6. Hearsay: a `CollectiveError` that merely reports a peer's loss ("Connection closed by
+   peer", NCCL timeouts). It is NOT evidence against the survivor that reports it: it is
+   attributed to the peer (`suspect_rank`) and, with no exit or stale heartbeat for that
+   peer (every heartbeat fresh), it is transient.
+
+A transient decision escalates to permanent when the same rank has failed transiently more than
+`policy.max_transient` times within `policy.window_s` (this failure included): a rank that keeps
+resetting costs more than one hot-swap.
+
+Across ranks, the strongest kind wins and, within a kind, the earliest `at` (then the lowest
+rank): `classify` returns the one decision to act on first. A permanent recovery re-plans the
+whole membership and rolls every rank back, which subsumes any local reset; the caller then
+classifies what evidence is left about other ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError, DeadpoolError
+from .evidence import (
+    CollectiveError,
+    CudaError,
+    Evidence,
+    HealthCheckFailed,
+    HeartbeatStale,
+    ProcessExited,
+    is_peer_loss_message,
+)
+
+
+class Decision(enum.Enum):
+    TRANSIENT = "transient"  # the same rank resets locally and rejoins
+    PERMANENT = "permanent"  # a spare replaces the rank (hot-swap)
+
+
+class InconclusiveEvidence(DeadpoolError):
+    """Only survivors' peer-loss reports, naming no peer: wait for exit or stale evidence."""
+
+
+@dataclass(frozen=True)
+class ClassifyPolicy:
+    """How many transient failures of one rank are tolerated within a sliding window."""
+
+    max_transient: int = 3
+    window_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_transient < 0:
+            raise ConfigError(f"max_transient must be >= 0, got {self.max_transient}")
+        if not self.window_s > 0:
+            raise ConfigError(f"window_s must be > 0 seconds, got {self.window_s}")
+
+
+@dataclass(frozen=True)
+class FailureHistory:
+    """Past transient failures as (rank, at) pairs; immutable, `record` returns a new one.
+
+    Record a failure after classifying it: `classify` already counts the failure it is given.
+    """
+
+    transients: tuple[tuple[int, float], ...] = ()
+
+    def record(self, rank: int, at: float) -> FailureHistory:
+        return FailureHistory((*self.transients, (rank, at)))
+
+    def count(self, rank: int, now: float, window_s: float) -> int:
+        """Transient failures of `rank` with `now - window_s <= at <= now` (edges included)."""
+        return sum(1 for r, at in self.transients if r == rank and now - window_s <= at <= now)
+
+    def prune(self, now: float, window_s: float) -> FailureHistory:
+        """Drop records older than the window, so a long job's history stays small."""
+        return FailureHistory(tuple((r, at) for r, at in self.transients if at >= now - window_s))
+
+
+@dataclass(frozen=True)
+class Classification:
+    rank: int
+    kind: Decision
+    reason: str  # starts with the class name of the evidence that won
+    evidence: Evidence
+
+
+def describe(e: Evidence) -> str:
+    """One line naming the evidence kind, for the reason and the event log."""
+    name = type(e).__name__
+    if isinstance(e, ProcessExited):
+        if e.returncode < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-e.returncode).name}"
+            except ValueError:
+                how = f"was killed by signal {-e.returncode}"
+        else:
+            how = f"exited with status {e.returncode}"
+        return f"{name}: rank {e.rank} {how}"
+    if isinstance(e, HeartbeatStale):
+        seen = "never beat" if e.last_seen is None else f"last beat {e.at - e.last_seen:.2f} s ago"
+        return f"{name}: rank {e.rank} {seen}"
+    if isinstance(e, HealthCheckFailed):
+        return f"{name}: rank {e.rank}: {e.reason}"
+    if isinstance(e, CudaError):
+        what = "recoverable" if e.recoverable else "unrecoverable"
+        return f"{name}: rank {e.rank} ({what}): {e.message}"
+    if isinstance(e, CollectiveError):
+        if is_peer_loss_message(e.message):
+            peer = "" if e.peer is None else f" peer {e.peer}"
+            return f"{name}: rank {e.rank} lost{peer}: {e.message}"
+        return f"{name}: rank {e.rank}: {e.message}"
+    return f"{name}: rank {e.rank}"
+
+
+def _earliest(items: Iterable[Evidence]) -> Evidence | None:
+    return min(items, key=lambda e: (e.at, e.rank), default=None)
+
+
+def _is_hearsay(e: Evidence) -> bool:
+    return isinstance(e, CollectiveError) and is_peer_loss_message(e.message)
+
+
+def suspect_rank(evidence: Sequence[Evidence], ranks: Sequence[int] | None = None) -> int:
+    """The rank that failed, when several ranks report collective errors.
+
+    In order: a rank with direct evidence (exited, then stale heartbeat); a rank whose own
+    collective failed locally (first-hand beats hearsay); the peer most survivors name
+    (`CollectiveError.peer`; ties go to the earliest named, then the lowest rank); with `ranks`
+    (the generation's members), the one member that did not report a peer loss when all others
+    did. A reporter of a peer loss is never the suspect. Raises `InconclusiveEvidence`
+    otherwise: the caller waits for the launcher's exit or the heartbeat detector.
+    """
+    for kind in (ProcessExited, HeartbeatStale):
+        direct = _earliest(e for e in evidence if isinstance(e, kind))
+        if direct is not None:
+            return direct.rank
+    collective = [e for e in evidence if isinstance(e, CollectiveError)]
+    local = _earliest(e for e in collective if not _is_hearsay(e))
+    if local is not None:
+        return local.rank
+    reports = [e for e in collective if e.peer is not None and e.peer != e.rank]
+    if reports:
+        votes = Counter(e.peer for e in reports)
+        first_named = {}
+        for e in sorted(reports, key=lambda e: e.at):
+            first_named.setdefault(e.peer, e.at)
+        return min(votes, key=lambda r: (-votes[r], first_named[r], r))
+    if ranks is not None:
+        silent = set(ranks) - {e.rank for e in collective}
+        if collective and len(silent) == 1:
+            return silent.pop()
+    reporters = sorted({e.rank for e in collective})
+    raise InconclusiveEvidence(
+        f"collective errors on ranks {reporters} report a lost peer but name none, and no rank "
+        "exited or went stale; wait for the launcher or the heartbeat detector"
+    )
+
+
+def classify(
+    evidence: Sequence[Evidence],
+    history: FailureHistory,
+    policy: ClassifyPolicy | None = None,
+    ranks: Sequence[int] | None = None,
+) -> Classification:
+    """Decide transient or permanent for the rank the evidence points at (rules: module doc).
+
+    `ranks`, the generation's members, only helps `suspect_rank` attribute anonymous peer-loss
+    reports. Raises ValueError on no evidence, `InconclusiveEvidence` when only anonymous
+    peer-loss reports exist.
+    """
+    if not evidence:
+        raise ValueError("classify needs at least one piece of evidence")
+    policy = policy or ClassifyPolicy()
+
+    # 1-4: permanent by nature, strongest kind first.
+    for permanent in (
+        lambda e: isinstance(e, ProcessExited),
+        lambda e: isinstance(e, HeartbeatStale),
+        lambda e: isinstance(e, HealthCheckFailed),
+        lambda e: isinstance(e, CudaError) and not e.recoverable,
+    ):
+        won = _earliest(e for e in evidence if permanent(e))
+        if won is not None:
+            return Classification(won.rank, Decision.PERMANENT, describe(won), won)
+
+    # 5: first-hand transient evidence; 6: hearsay, attributed to the suspect peer.
+    won = _earliest(e for e in evidence if not _is_hearsay(e))
+    if won is not None:
+        rank = won.rank
+        reason = describe(won)
+    else:
+        rank = suspect_rank(evidence, ranks)
+        won = _earliest(e for e in evidence if getattr(e, "peer", None) == rank)
+        won = won or _earliest(evidence)
+        reason = f"{describe(won)} (attributed to rank {rank}, whose heartbeat is fresh)"
+
+    times = history.count(rank, won.at, policy.window_s) + 1
+    if times > policy.max_transient:
+        return Classification(
+            rank,
+            Decision.PERMANENT,
+            f"{reason}; escalated: rank {rank} failed transiently {times} times within "
+            f"{policy.window_s:g} s (max {policy.max_transient})",
+            won,
+        )
+    return Classification(rank, Decision.TRANSIENT, reason, won)

@@ -1,0 +1,92 @@
+"""The kinds of evidence that a rank has failed, as plain immutable records.
+
+Each record names the rank it is evidence about (not necessarily the rank that reported it:
+see `CollectiveError`) and `at`, the wall-clock time (`time.time()`) it was observed, so the
+event log can measure detection latency from an injection or exit time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CollectiveError:
+    """A collective raised on `rank`. `peer`, when known, is the rank it lost contact with.
+
+    A peer-loss message is evidence about the peer, not about `rank`, which merely survived.
+    """
+
+    rank: int
+    message: str
+    at: float
+    peer: int | None = None
+
+
+@dataclass(frozen=True)
+class HeartbeatStale:
+    """`rank` has not beaten for longer than the timeout; `last_seen` None: never beat."""
+
+    rank: int
+    last_seen: float | None
+    at: float
+
+
+@dataclass(frozen=True)
+class ProcessExited:
+    """The launcher saw `rank`'s process exit; a negative `returncode` is the signal number."""
+
+    rank: int
+    returncode: int
+    at: float
+
+
+@dataclass(frozen=True)
+class InjectedTransient:
+    """A `raise@RANK:ITER` fault fired on `rank`: the process is alive and can reset itself."""
+
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class HealthCheckFailed:
+    """A health check (device, memory, store reachability) failed on `rank`."""
+
+    rank: int
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class CudaError:
+    """A CUDA error on `rank`; `recoverable` when the context survives (e.g. out of memory)."""
+
+    rank: int
+    message: str
+    recoverable: bool
+    at: float
+
+
+Evidence = (
+    CollectiveError
+    | HeartbeatStale
+    | ProcessExited
+    | InjectedTransient
+    | HealthCheckFailed
+    | CudaError
+)
+
+# gloo (transport/tcp/pair.cc) when a peer's socket closes or resets, and NCCL's errors and
+# its watchdog timeouts; a timeout is how survivors of a hung peer fail (FIELD-NOTES).
+_PEER_LOSS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Read error|NCCL error"
+    r"|Timed out waiting|Watchdog caught collective operation timeout",
+    re.IGNORECASE,
+)
+
+
+def is_peer_loss_message(message: str) -> bool:
+    """Whether a collective's error message says a peer went away (rather than a local fault)."""
+    return bool(_PEER_LOSS.search(message))

@@ -1,0 +1,168 @@
+"""Fault injection: the `--deadpool-inject` grammar and a reproducible chaos schedule.
+
+Faults are data (`Fault`), parsed and validated once at start-up so a typo fails before any
+process starts, and the training-loop hooks only ask `faults_at(...)`: "should I fail now?".
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..errors import ConfigError
+
+ACTIONS = ("kill", "hang", "raise")  # raise = transient: the process stays alive
+SPARE_ACTIONS = ("kill-spare",)
+PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery")
+# `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
+# ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
+DEFAULT_PHASE = "forward"
+
+GRAMMAR = (
+    "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
+    "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE] "
+    f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), kill-spare@INDEX:ITER; "
+    "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
+)
+
+_SPEC = re.compile(r"^(?P<action>[a-z-]+)@(?P<target>\d+):(?P<iteration>\d+)(?::(?P<phase>\w+))?$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault: `action` on `target` (a rank, or a spare index for kill-spare)."""
+
+    action: str
+    target: int
+    iteration: int
+    phase: str | None  # None for kill-spare: a spare runs no training phases
+
+    @property
+    def on_spare(self) -> bool:
+        return self.action in SPARE_ACTIONS
+
+    @property
+    def transient(self) -> bool:
+        return self.action == "raise"
+
+    def __str__(self) -> str:
+        suffix = "" if self.phase is None else f":{self.phase}"
+        return f"{self.action}@{self.target}:{self.iteration}{suffix}"
+
+
+def _bad(spec: str, why: str) -> ConfigError:
+    return ConfigError(f"bad fault spec {spec!r}: {why}; expected {GRAMMAR}")
+
+
+def parse_fault(spec: str, world_size: int | None = None, spares: int | None = None) -> Fault:
+    """One SPEC; ranks and spare indexes are checked only against the sizes given."""
+    m = _SPEC.match(spec)
+    if m is None:
+        raise _bad(spec, "not of the form ACTION@TARGET:ITER[:PHASE]")
+    action, phase = m["action"], m["phase"]
+    target, iteration = int(m["target"]), int(m["iteration"])
+    if action not in ACTIONS + SPARE_ACTIONS:
+        raise _bad(spec, f"unknown action {action!r}")
+    if iteration < 1:
+        raise _bad(spec, f"iteration {iteration} must be >= 1 (iterations count from 1)")
+    if action in SPARE_ACTIONS:
+        if phase is not None:
+            raise _bad(spec, "kill-spare takes no phase (a spare runs no training phases)")
+        if spares is not None and target >= spares:
+            raise _bad(spec, f"spare index {target} out of range: the job has {spares} spare(s)")
+        return Fault(action, target, iteration, None)
+    if phase is None:
+        phase = DEFAULT_PHASE
+    elif phase not in PHASES:
+        raise _bad(spec, f"unknown phase {phase!r}")
+    if world_size is not None and target >= world_size:
+        raise _bad(spec, f"rank {target} out of range: world size is {world_size}")
+    return Fault(action, target, iteration, phase)
+
+
+def parse_faults(
+    text: str, world_size: int | None = None, spares: int | None = None
+) -> tuple[Fault, ...]:
+    """The whole flag value; empty text means no faults. Two faults on the same target,
+    iteration and phase are refused: which one fires would be ambiguous."""
+    if not text.strip():
+        return ()
+    faults = tuple(parse_fault(s.strip(), world_size, spares) for s in text.split(","))
+    seen: dict[tuple, Fault] = {}
+    for f in faults:
+        key = (f.on_spare, f.target, f.iteration, f.phase)
+        if key in seen:
+            raise _bad(str(f), f"conflicts with {str(seen[key])!r} (same target, iteration, phase)")
+        seen[key] = f
+    return faults
+
+
+def faults_at(faults: Iterable[Fault], iteration: int, phase: str, rank: int) -> tuple[Fault, ...]:
+    """The worker faults `rank` must act on at (`iteration`, `phase`): should it fail now?"""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; phases are {', '.join(PHASES)}")
+    return tuple(
+        f
+        for f in faults
+        if not f.on_spare and f.target == rank and f.iteration == iteration and f.phase == phase
+    )
+
+
+def spare_kills_at(faults: Iterable[Fault], iteration: int) -> tuple[int, ...]:
+    """Spare indexes to kill when the job reaches `iteration`."""
+    return tuple(f.target for f in faults if f.on_spare and f.iteration == iteration)
+
+
+class ChaosEvent(NamedTuple):
+    offset_s: float  # seconds since the chaos clock started (the caller owns the clock)
+    action: str  # "kill" or "hang"
+    rank: int
+
+
+class ChaosSchedule:
+    """Random kills and hangs with exponential inter-arrival times (mean `mtbf_s`).
+
+    Pure and reproducible: each iteration over the schedule replays the same infinite sequence
+    from `random.Random(seed)`; the caller maps offsets onto its own clock.
+    """
+
+    def __init__(self, mtbf_s: float, seed: int, world_size: int, hang_fraction: float = 0.2):
+        if not (mtbf_s > 0 and math.isfinite(mtbf_s)):
+            raise ConfigError(
+                f"--deadpool-chaos-mtbf must be a positive number of seconds, got {mtbf_s}"
+            )
+        if world_size < 1:
+            raise ConfigError(f"chaos needs a world size >= 1, got {world_size}")
+        if not 0.0 <= hang_fraction <= 1.0:
+            raise ConfigError(f"chaos hang_fraction must be in [0, 1], got {hang_fraction}")
+        self.mtbf_s = float(mtbf_s)
+        self.seed = seed
+        self.world_size = world_size
+        self.hang_fraction = hang_fraction
+
+    def __iter__(self) -> Iterator[ChaosEvent]:
+        rng = random.Random(self.seed)
+        offset = 0.0
+        while True:
+            # Fixed draw order (gap, action, rank) keeps a seed's sequence stable.
+            offset += rng.expovariate(1.0 / self.mtbf_s)
+            action = "hang" if rng.random() < self.hang_fraction else "kill"
+            yield ChaosEvent(offset, action, rng.randrange(self.world_size))
+
+    def take(self, n: int) -> list[ChaosEvent]:
+        """The first `n` events."""
+        it = iter(self)
+        return [next(it) for _ in range(n)]
+
+    def until(self, horizon_s: float) -> list[ChaosEvent]:
+        """Every event with an offset <= `horizon_s`."""
+        out = []
+        for event in self:
+            if event.offset_s > horizon_s:
+                return out
+            out.append(event)
+        return out  # unreachable: the schedule is infinite

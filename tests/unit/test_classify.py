@@ -1,0 +1,255 @@
+"""Classifier: evidence -> transient | permanent, as a table; escalation; conflicting evidence."""
+
+import pytest
+
+from deadpool_megatron.errors import ConfigError
+from deadpool_megatron.failure.classify import (
+    ClassifyPolicy,
+    Decision,
+    FailureHistory,
+    InconclusiveEvidence,
+    classify,
+    suspect_rank,
+)
+from deadpool_megatron.failure.evidence import (
+    CollectiveError,
+    CudaError,
+    HealthCheckFailed,
+    HeartbeatStale,
+    InjectedTransient,
+    ProcessExited,
+    is_peer_loss_message,
+)
+
+T, P = Decision.TRANSIENT, Decision.PERMANENT
+CLOSED = "[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"
+TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 30000ms for recv operation to complete"
+NCCL_WD = (
+    "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)"
+)
+LOCAL = "Mismatch in tensor sizes: expected 1024, got 512"
+
+# (id, evidence, expected kind, expected rank, the evidence class that must lead the reason)
+TABLE = [
+    ("exit", [ProcessExited(3, -9, 10.0)], P, 3, "ProcessExited"),
+    ("exit-status-0", [ProcessExited(2, 0, 10.0)], P, 2, "ProcessExited"),
+    ("stale", [HeartbeatStale(4, 8.0, 10.0)], P, 4, "HeartbeatStale"),
+    ("never-beat", [HeartbeatStale(4, None, 10.0)], P, 4, "HeartbeatStale"),
+    ("health", [HealthCheckFailed(1, "GPU fell off the bus", 10.0)], P, 1, "HealthCheckFailed"),
+    ("cuda-fatal", [CudaError(5, "illegal memory access", False, 10.0)], P, 5, "CudaError"),
+    ("cuda-recoverable", [CudaError(5, "out of memory", True, 10.0)], T, 5, "CudaError"),
+    ("injected", [InjectedTransient(6, 10.0)], T, 6, "InjectedTransient"),
+    ("local-collective", [CollectiveError(2, LOCAL, 10.0)], T, 2, "CollectiveError"),
+    # a survivor's peer-loss report is hearsay about the peer, with its heartbeat fresh
+    ("peer-loss-named", [CollectiveError(0, CLOSED, 10.0, peer=7)], T, 7, "CollectiveError"),
+    # conflicts: exit beats the collective errors it causes, on the dying rank or survivors
+    (
+        "exit-beats-own-collective",
+        [CollectiveError(3, LOCAL, 9.9), ProcessExited(3, -9, 10.0)],
+        P,
+        3,
+        "ProcessExited",
+    ),
+    (
+        "exit-beats-survivors-reports",
+        [
+            CollectiveError(0, CLOSED, 10.04),
+            CollectiveError(2, CLOSED, 10.05, peer=1),
+            ProcessExited(3, -9, 10.0),
+        ],
+        P,
+        3,
+        "ProcessExited",
+    ),
+    # exit beats stale even when the stale report came first: it is the more certain cause
+    (
+        "exit-beats-stale",
+        [HeartbeatStale(2, 1.0, 9.0), ProcessExited(5, -6, 10.0)],
+        P,
+        5,
+        "ProcessExited",
+    ),
+    # a hung rank cannot be trusted to reset itself: stale beats its own transient report
+    (
+        "stale-beats-injected",
+        [InjectedTransient(2, 9.0), HeartbeatStale(2, 8.0, 10.0)],
+        P,
+        2,
+        "HeartbeatStale",
+    ),
+    (
+        "stale-beats-timeouts",
+        [CollectiveError(0, TIMEOUT, 31.0), HeartbeatStale(1, 8.0, 10.0)],
+        P,
+        1,
+        "HeartbeatStale",
+    ),
+    (
+        "health-beats-cuda-fatal",
+        [CudaError(0, "x", False, 9.0), HealthCheckFailed(1, "ecc", 10.0)],
+        P,
+        1,
+        "HealthCheckFailed",
+    ),
+    (
+        "permanent-beats-transient",
+        [InjectedTransient(0, 1.0), CudaError(4, "x", False, 10.0)],
+        P,
+        4,
+        "CudaError",
+    ),
+    # first-hand beats hearsay: the rank that raised explains its peers' reports
+    (
+        "first-hand-beats-hearsay",
+        [CollectiveError(1, CLOSED, 10.0, peer=2), InjectedTransient(3, 10.1)],
+        T,
+        3,
+        "InjectedTransient",
+    ),
+    (
+        "earliest-transient",
+        [InjectedTransient(4, 10.2), CudaError(1, "oom", True, 10.1)],
+        T,
+        1,
+        "CudaError",
+    ),
+    (
+        "earliest-exit",
+        [ProcessExited(6, -9, 10.2), ProcessExited(2, 1, 10.1)],
+        P,
+        2,
+        "ProcessExited",
+    ),
+    (
+        "same-time-lowest-rank",
+        [ProcessExited(6, -9, 10.0), ProcessExited(2, -9, 10.0)],
+        P,
+        2,
+        "ProcessExited",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "evidence, kind, rank, lead", [row[1:] for row in TABLE], ids=[r[0] for r in TABLE]
+)
+def test_classifier_table(evidence, kind, rank, lead):
+    c = classify(evidence, FailureHistory(), ClassifyPolicy())
+    assert (c.kind, c.rank) == (kind, rank)
+    assert c.reason.startswith(lead + ":"), c.reason
+    assert type(c.evidence).__name__ == lead
+
+
+def test_reason_names_the_signal():
+    c = classify([ProcessExited(3, -9, 1.0)], FailureHistory())
+    assert "SIGKILL" in c.reason and "rank 3" in c.reason
+
+
+def _history(rank, times):
+    h = FailureHistory()
+    for t in times:
+        h = h.record(rank, t)
+    return h
+
+
+@pytest.mark.parametrize(
+    "past, now, kind",
+    [
+        ([], 1000.0, T),
+        ([900.0, 950.0], 1000.0, T),  # 3rd failure: at the limit, still transient
+        ([900.0, 950.0, 990.0], 1000.0, P),  # 4th within the window: escalates
+        ([400.0, 950.0, 990.0], 1000.0, P),  # window edge included: 1000 - 600 = 400
+        ([399.9, 950.0, 990.0], 1000.0, T),  # just outside the window: forgotten
+        ([900.0, 950.0, 1000.5], 1000.0, T),  # records after the evidence do not count
+    ],
+)
+def test_repeated_transients_escalate_within_the_window(past, now, kind):
+    c = classify([InjectedTransient(2, now)], _history(2, past), ClassifyPolicy(3, 600.0))
+    assert c.kind is kind and c.rank == 2
+    assert ("escalated" in c.reason) == (kind is P)
+
+
+def test_escalation_counts_only_the_same_rank():
+    h = _history(1, [990.0, 991.0, 992.0, 993.0])
+    assert classify([InjectedTransient(2, 1000.0)], h).kind is T
+    assert classify([InjectedTransient(1, 1000.0)], h).kind is P
+
+
+def test_max_transient_zero_makes_every_failure_permanent():
+    c = classify(
+        [CudaError(0, "oom", True, 1.0)], FailureHistory(), ClassifyPolicy(max_transient=0)
+    )
+    assert c.kind is P and "max 0" in c.reason
+
+
+def test_survivor_reporting_a_peer_loss_is_not_accused_even_with_a_bad_history():
+    survivor_history = _history(0, [995.0, 996.0, 997.0, 998.0])
+    reports = [
+        CollectiveError(0, CLOSED, 1000.0, peer=3),
+        CollectiveError(1, CLOSED, 1000.0, peer=3),
+    ]
+    c = classify(reports, survivor_history)
+    assert (c.kind, c.rank) == (T, 3) and "attributed to rank 3" in c.reason
+    c = classify([*reports, ProcessExited(3, -9, 999.97)], survivor_history)
+    assert (c.kind, c.rank) == (P, 3)
+
+
+def test_anonymous_peer_loss_is_attributed_to_the_one_silent_member():
+    reports = [CollectiveError(r, CLOSED, 10.0) for r in (0, 1, 3)]
+    assert classify(reports, FailureHistory(), ranks=range(4)).rank == 2
+    with pytest.raises(InconclusiveEvidence, match=r"\[0, 1, 3\]"):
+        classify(reports, FailureHistory())
+    with pytest.raises(InconclusiveEvidence):  # two silent members: cannot tell
+        classify(reports, FailureHistory(), ranks=range(5))
+
+
+def test_suspect_rank_votes_for_the_peer_most_survivors_name():
+    reports = [
+        CollectiveError(0, CLOSED, 10.0, peer=5),
+        CollectiveError(4, NCCL_WD, 10.1, peer=1),
+        CollectiveError(6, CLOSED, 10.2, peer=1),
+    ]
+    assert suspect_rank(reports) == 1
+    # a tie goes to the peer named first
+    assert suspect_rank(reports[:2]) == 5
+    # direct evidence outranks any vote; a local (first-hand) error outranks hearsay
+    assert suspect_rank([*reports, HeartbeatStale(7, 1.0, 11.0)]) == 7
+    assert suspect_rank([*reports, CollectiveError(3, LOCAL, 10.5)]) == 3
+    # a reporter naming itself is not a vote
+    with pytest.raises(InconclusiveEvidence):
+        suspect_rank([CollectiveError(2, CLOSED, 1.0, peer=2)])
+
+
+def test_no_evidence_is_an_error():
+    with pytest.raises(ValueError):
+        classify([], FailureHistory())
+
+
+@pytest.mark.parametrize("kwargs", [{"max_transient": -1}, {"window_s": 0}, {"window_s": -5.0}])
+def test_policy_validation(kwargs):
+    with pytest.raises(ConfigError):
+        ClassifyPolicy(**kwargs)
+
+
+def test_history_is_immutable_and_prunes():
+    h0 = FailureHistory()
+    h1 = h0.record(1, 5.0)
+    assert h0.transients == () and h1.transients == ((1, 5.0),)
+    assert h1.record(2, 700.0).prune(now=700.0, window_s=600.0).transients == ((2, 700.0),)
+
+
+@pytest.mark.parametrize(
+    "message, lost",
+    [
+        (CLOSED, True),
+        ("Connection reset by peer", True),
+        ("[gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:1234: Connection refused", True),
+        (TIMEOUT, True),
+        (NCCL_WD, True),
+        ("NCCL error in: ProcessGroupNCCL.cpp:1275, unhandled system error", True),
+        (LOCAL, False),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    ],
+)
+def test_is_peer_loss_message(message, lost):
+    assert is_peer_loss_message(message) is lost

@@ -1,0 +1,144 @@
+"""Fault-injection grammar, validation against the job's size, and the chaos schedule."""
+
+import statistics
+
+import pytest
+
+from deadpool_megatron.errors import ConfigError
+from deadpool_megatron.failure.inject import (
+    DEFAULT_PHASE,
+    PHASES,
+    ChaosSchedule,
+    Fault,
+    faults_at,
+    parse_faults,
+    spare_kills_at,
+)
+
+
+def test_valid_specs_parse_in_order_with_the_default_phase():
+    faults = parse_faults("kill@5:20, hang@0:7:snapshot,raise@3:30:backward,kill-spare@1:40")
+    assert faults == (
+        Fault("kill", 5, 20, DEFAULT_PHASE),
+        Fault("hang", 0, 7, "snapshot"),
+        Fault("raise", 3, 30, "backward"),
+        Fault("kill-spare", 1, 40, None),
+    )
+    assert DEFAULT_PHASE == "forward"
+    assert [f.transient for f in faults] == [False, False, True, False]
+    assert [f.on_spare for f in faults] == [False, False, False, True]
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_every_phase_round_trips(phase):
+    (fault,) = parse_faults(f"hang@2:9:{phase}")
+    assert fault.phase == phase and parse_faults(str(fault)) == (fault,)
+
+
+@pytest.mark.parametrize("text", ["", "   "])
+def test_empty_means_no_faults(text):
+    assert parse_faults(text) == ()
+
+
+@pytest.mark.parametrize(
+    "text, bad, why",
+    [
+        ("explode@1:5", "explode@1:5", "unknown action"),
+        ("kill@1:5:lunch", "kill@1:5:lunch", "unknown phase"),
+        ("kill@1", "kill@1", "not of the form"),
+        ("kill1:5", "kill1:5", "not of the form"),
+        ("kill@-1:5", "kill@-1:5", "not of the form"),
+        ("kill@x:5", "kill@x:5", "not of the form"),
+        ("kill@1:5:forward:extra", "kill@1:5:forward:extra", "not of the form"),
+        ("kill@1:0", "kill@1:0", "must be >= 1"),
+        ("kill-spare@0:5:forward", "kill-spare@0:5:forward", "takes no phase"),
+        ("kill@1:5,", "", "not of the form"),
+        ("kill@1:5,,raise@2:6", "", "not of the form"),
+        ("kill@1:5,hang@1:5", "hang@1:5:forward", "conflicts with 'kill@1:5:forward'"),
+        ("KILL@1:5", "KILL@1:5", "not of the form"),
+    ],
+)
+def test_bad_specs_name_the_spec_and_show_the_grammar(text, bad, why):
+    with pytest.raises(ConfigError) as info:
+        parse_faults(text)
+    message = str(info.value)
+    assert f"bad fault spec {bad!r}" in message
+    assert why in message
+    for piece in ("kill@RANK:ITER[:PHASE]", "hang@RANK", "raise@RANK", "kill-spare@INDEX:ITER"):
+        assert piece in message
+    assert "|".join(PHASES) in message
+
+
+def test_ranks_and_spare_indexes_are_checked_against_the_job():
+    assert parse_faults("kill@7:1,kill-spare@1:2", world_size=8, spares=2)
+    with pytest.raises(ConfigError, match=r"'kill@8:1'.*rank 8 out of range: world size is 8"):
+        parse_faults("kill@8:1", world_size=8)
+    with pytest.raises(ConfigError, match=r"'kill-spare@2:3'.*spare index 2 out of range.*2 spare"):
+        parse_faults("kill-spare@2:3", world_size=8, spares=2)
+    with pytest.raises(ConfigError, match="spare index 0"):
+        parse_faults("kill-spare@0:3", spares=0)
+    # sizes not given: not checked
+    assert parse_faults("kill@99:1,kill-spare@9:1")
+
+
+def test_faults_at_answers_should_this_rank_fail_now():
+    faults = parse_faults("kill@1:5,raise@1:5:backward,hang@2:5,kill-spare@1:5")
+    assert faults_at(faults, 5, "forward", 1) == (Fault("kill", 1, 5, "forward"),)
+    assert faults_at(faults, 5, "backward", 1) == (Fault("raise", 1, 5, "backward"),)
+    assert faults_at(faults, 4, "forward", 1) == ()
+    assert faults_at(faults, 5, "optimizer", 1) == ()
+    assert faults_at(faults, 5, "forward", 3) == ()
+    assert spare_kills_at(faults, 5) == (1,)
+    assert spare_kills_at(faults, 6) == ()
+    with pytest.raises(ValueError, match="unknown phase"):
+        faults_at(faults, 5, "lunch", 1)
+
+
+def test_chaos_is_reproducible_per_seed_and_differs_across_seeds():
+    a = ChaosSchedule(60.0, seed=7, world_size=8).take(50)
+    assert a == ChaosSchedule(60.0, seed=7, world_size=8).take(50)
+    assert a != ChaosSchedule(60.0, seed=8, world_size=8).take(50)
+    s = ChaosSchedule(60.0, seed=7, world_size=8)
+    assert s.take(10) == s.take(10)  # iterating again replays, no hidden state
+    offsets = [e.offset_s for e in a]
+    assert offsets == sorted(offsets) and offsets[0] > 0
+    assert {e.action for e in a} <= {"kill", "hang"}
+    assert all(0 <= e.rank < 8 for e in a)
+
+
+def test_chaos_inter_arrival_mean_is_the_mtbf_and_hangs_follow_the_fraction():
+    events = ChaosSchedule(30.0, seed=1, world_size=4, hang_fraction=0.2).take(20000)
+    gaps = [
+        b.offset_s - a.offset_s for a, b in zip([events[0]._replace(offset_s=0.0)] + events, events)
+    ]
+    assert statistics.fmean(gaps) == pytest.approx(30.0, rel=0.03)
+    # exponential: the standard deviation equals the mean, and ~63% of gaps are below it
+    assert statistics.pstdev(gaps) == pytest.approx(30.0, rel=0.05)
+    assert sum(g < 30.0 for g in gaps) / len(gaps) == pytest.approx(0.632, abs=0.015)
+    hangs = sum(e.action == "hang" for e in events) / len(events)
+    assert hangs == pytest.approx(0.2, abs=0.015)
+    assert {e.rank for e in events} == {0, 1, 2, 3}
+
+
+def test_chaos_until_and_extreme_hang_fractions():
+    s = ChaosSchedule(10.0, seed=3, world_size=2, hang_fraction=1.0)
+    window = s.until(100.0)
+    assert window == s.take(len(window)) and all(e.offset_s <= 100.0 for e in window)
+    assert s.take(len(window) + 1)[-1].offset_s > 100.0
+    assert all(e.action == "hang" for e in window)
+    assert all(e.action == "kill" for e in ChaosSchedule(10.0, 3, 2, hang_fraction=0.0).take(100))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0.0, 1, 8), "chaos-mtbf"),
+        ((-5.0, 1, 8), "chaos-mtbf"),
+        ((float("inf"), 1, 8), "chaos-mtbf"),
+        ((10.0, 1, 0), "world size"),
+        ((10.0, 1, 8, 1.5), "hang_fraction"),
+    ],
+)
+def test_chaos_validation(args, match):
+    with pytest.raises(ConfigError, match=match):
+        ChaosSchedule(*args)
