@@ -149,6 +149,21 @@ class DeadpoolConfig:
         1, "DP-ring successors holding a replica of each optimizer shard (K adjacent failures)."
     )
     deadpool_snapshot_interval: int = knob(1, "Iterations between snapshots.")
+    deadpool_heartbeat_interval: float = knob(
+        0.5, "Seconds between heartbeats (they start after the first iteration)."
+    )
+    deadpool_heartbeat_timeout: float = knob(
+        2.0, "Seconds without a heartbeat after which a rank counts as hung and is fenced."
+    )
+    deadpool_inject: str | None = knob(
+        None,
+        "Faults to inject, SPEC[,SPEC...]: kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], "
+        "raise@RANK:ITER[:PHASE] (transient), kill-spare@INDEX:ITER; PHASE: forward, backward, "
+        "optimizer, snapshot, replicate, recovery.",
+    )
+    deadpool_event_log: str | None = knob(
+        None, "Append one JSON line per failure, fencing, spare and recovery event to this file."
+    )
 
 
 CONFIG_GROUPS: dict[str, type] = {
@@ -409,6 +424,14 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
         dpc.deadpool_snapshot_interval >= 1,
         f"--deadpool-snapshot-interval={dpc.deadpool_snapshot_interval} must be a positive integer",
     )
+    from .failure.heartbeat import check_heartbeat_times
+    from .failure.inject import parse_faults
+
+    check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
+    if dpc.deadpool_inject:
+        spares = os.environ.get("DEADPOOL_SPARES")
+        parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
+                     spares=int(spares) if spares is not None else None)  # fmt: skip
     if not dpc.deadpool:
         return
     _require(
@@ -422,6 +445,10 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
         f"(data-parallel size is {dp}; a replica lives on another DP rank of the same TP/PP "
         f"coordinates, so DeadPool needs a data-parallel size of at least 2)",
     )
+
+
+def cfg_world_size(cfg: JobConfig, dp: int) -> int:
+    return dp * cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
 
 
 def _is_weight(token: str) -> bool:

@@ -1,0 +1,149 @@
+"""KVStore over etcd v3, for clusters whose coordination must survive the loss of any host.
+
+Talks to etcd's JSON gRPC gateway (``POST /v3/kv/...``, served by etcd 3.4 and later) with
+the standard library only: the Python etcd clients break with current protobuf (see the field
+notes). Keys and values travel base64-encoded; int64 fields come back as JSON strings, and
+fields at their default (``succeeded: false``, an empty ``value``) are omitted.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+from ..errors import ConfigError, DeadpoolError
+from .store import KVStore, StoreTimeout, StoreUnreachable
+
+
+def _b64(data: bytes | str) -> str:
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
+
+
+def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
+    """``http://a:2379,http://b:2379`` (the --deadpool-etcd-endpoints form) -> URL list."""
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    urls = [e.strip().rstrip("/") for e in items if e.strip()]
+    if not urls:
+        raise ConfigError(f"--deadpool-etcd-endpoints={endpoints!r} names no endpoint")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"etcd endpoint {url!r} must be a URL such as http://127.0.0.1:2379")
+    return urls
+
+
+class EtcdKVStore(KVStore):
+    """An etcd v3 cluster reached through any of `endpoints` (tried in turn)."""
+
+    def __init__(
+        self, endpoints: str | Sequence[str], timeout_s: float = 5.0, poll_s: float = 0.05
+    ):
+        self._urls = parse_endpoints(endpoints)
+        self._timeout_s = timeout_s
+        self._poll_s = poll_s
+        self._order_lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(self._urls)
+
+    def _post(self, path: str, body: dict) -> dict:
+        """POST to the first endpoint that answers; it is tried first next time."""
+        data = json.dumps(body).encode()
+        failures = []
+        for url in list(self._urls):
+            request = urllib.request.Request(
+                url + path, data=data, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
+                    answer = json.loads(response.read() or b"{}")
+            except urllib.error.HTTPError as err:
+                detail = _error_message(err)
+                if err.code < 500:  # our request is wrong; another member would say the same
+                    raise DeadpoolError(f"etcd at {url} rejected {path}: {detail}") from err
+                failures.append(f"{url}: HTTP {err.code} {detail}")
+                continue
+            except (urllib.error.URLError, OSError) as err:
+                # A timed-out write may still have been applied; CAS callers re-read anyway.
+                failures.append(f"{url}: {getattr(err, 'reason', err)}")
+                continue
+            with self._order_lock:
+                if url != self._urls[0]:
+                    self._urls.remove(url)
+                    self._urls.insert(0, url)
+            return answer
+        raise StoreUnreachable(self.endpoint, "; ".join(failures))
+
+    def get(self, key: str) -> bytes | None:
+        return _first_value(self._post("/v3/kv/range", {"key": _b64(key)}))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._post("/v3/kv/put", {"key": _b64(key), "value": _b64(value)})
+
+    def compare_and_swap(
+        self, key: str, expected: bytes | None, desired: bytes
+    ) -> tuple[bool, bytes | None]:
+        k = _b64(key)
+        if expected is None:  # a key that never existed (or was deleted) has revision 0
+            compare = {"target": "CREATE", "result": "EQUAL", "key": k, "create_revision": "0"}
+        else:
+            compare = {"target": "VALUE", "result": "EQUAL", "key": k, "value": _b64(expected)}
+        answer = self._post(
+            "/v3/kv/txn",
+            {
+                "compare": [compare],
+                "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        if answer.get("succeeded", False):
+            return True, desired
+        return False, _first_value(answer["responses"][0]["response_range"])
+
+    def add(self, key: str, amount: int) -> int:
+        current = self.get(key)
+        while True:
+            try:
+                total = int(current or b"0") + amount
+            except ValueError:
+                raise DeadpoolError(
+                    f"etcd key {key!r} holds {current!r}, not an integer counter"
+                ) from None
+            ok, current = self.compare_and_swap(key, current, str(total).encode())
+            if ok:
+                return total
+
+    def delete(self, key: str) -> bool:
+        return int(self._post("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0)) > 0
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> None:
+        # Polling is enough for the rare waits of the control plane; a watch would need a stream.
+        deadline = time.monotonic() + timeout_s
+        missing = list(keys)
+        while True:
+            missing = [k for k in missing if self.get(k) is None]
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                raise StoreTimeout(
+                    f"keys {missing} did not appear in etcd at {self.endpoint} "
+                    f"within {timeout_s:g} s"
+                )
+            time.sleep(self._poll_s)
+
+
+def _first_value(range_response: dict) -> bytes | None:
+    kvs = range_response.get("kvs") or []
+    return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+
+def _error_message(err: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(err.read()).get("message", "") or str(err.reason)
+    except (ValueError, OSError):
+        return str(err.reason)

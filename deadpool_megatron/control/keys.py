@@ -1,0 +1,53 @@
+"""Every key the control plane reads or writes, declared in one place.
+
+All keys live under ``deadpool/<job id>/`` so several jobs can share one etcd cluster, and keys
+that only mean something within one membership generation carry it, so a straggler of an
+older generation writes where nobody of the current one looks.
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+ROOT = "deadpool"
+
+
+def _job(job: str) -> str:
+    if not job or "/" in job or job.strip() != job:
+        raise ConfigError(f"job id {job!r} must be non-empty, without '/' or surrounding spaces")
+    return f"{ROOT}/{job}"
+
+
+def job_prefix(job: str) -> str:
+    """Prefix of every key of `job` (for listing or cleaning up a finished job)."""
+    return _job(job) + "/"
+
+
+def membership(job: str) -> str:
+    """The current `Membership` (JSON); changed only by compare-and-swap."""
+    return f"{_job(job)}/membership"
+
+
+def heartbeat(job: str, generation: int, rank: int) -> str:
+    """Last beat (monotonic counter or timestamp) of `rank` in `generation`."""
+    return f"{_job(job)}/gen/{generation}/heartbeat/{rank}"
+
+
+def failure(job: str, generation: int) -> str:
+    """The failure that ends `generation` (first writer wins, by compare-and-swap)."""
+    return f"{_job(job)}/gen/{generation}/failure"
+
+
+def spare(job: str, spare_id: str | int) -> str:
+    """Registration of a spare (its process id), written by the spare itself."""
+    return f"{_job(job)}/spare/{spare_id}"
+
+
+def spare_claim(job: str, spare_id: str | int) -> str:
+    """Who claimed a spare; created once, by compare-and-swap, so only one claimer wins."""
+    return f"{_job(job)}/spare/{spare_id}/claim"
+
+
+def job_finished(job: str) -> str:
+    """Set once every worker has succeeded; tells idle spares to exit."""
+    return f"{_job(job)}/finished"

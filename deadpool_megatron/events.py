@@ -1,0 +1,60 @@
+"""The event log: one JSON object per line, one line per event, from any process of the job.
+
+Every record carries wall-clock `time`, `event`, `generation` and `rank` (None for the
+launcher), plus the event's own fields. Several processes append to the same file; each
+record is one write() of one short line to a file opened with O_APPEND, which local file
+systems keep whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+# Event names, declared once (the report and the tests read them).
+FAILURE_DETECTED = "failure_detected"
+FENCED = "fenced"
+SPARE_REGISTERED = "spare_registered"
+SPARE_CLAIMED = "spare_claimed"
+SPARE_LOST = "spare_lost"
+FAULT_INJECTED = "fault_injected"
+JOB_ENDED = "job_ended"
+
+
+class EventLog:
+    def __init__(self, path: str | None, rank: int | None = None, generation: int = 0):
+        self.path = path
+        self.rank = rank
+        self.generation = generation
+        self._lock = threading.Lock()
+        self._fd = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def emit(self, event: str, at: float | None = None, **fields: Any) -> dict:
+        record = {
+            "time": time.time() if at is None else at,
+            "event": event,
+            "generation": self.generation,
+            "rank": self.rank,
+            **fields,
+        }
+        if self._fd is not None:
+            line = (json.dumps(record, default=str) + "\n").encode()
+            with self._lock:
+                os.write(self._fd, line)
+        return record
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(path: str) -> list[dict]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

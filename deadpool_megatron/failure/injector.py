@@ -1,0 +1,54 @@
+"""Carry out injected faults inside a worker process, at a given iteration and phase.
+
+kill: SIGKILL to itself (the process dies as a node would); hang: SIGSTOP to itself (every
+thread stops, heartbeats included, as a hung node would); raise: an `InjectedFault` exception
+in the training thread (a transient error: the process stays alive and healthy). The time of
+each injection is reported first, so detection latency can be measured from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from ..errors import DeadpoolError
+from .inject import Fault, faults_at
+
+log = logging.getLogger("deadpool.inject")
+
+
+class InjectedFault(DeadpoolError):
+    """A transient failure injected with raise@RANK:ITER."""
+
+
+class FaultInjector:
+    def __init__(
+        self, faults: tuple[Fault, ...], rank: int, report: Callable[[Fault, float], None]
+    ):
+        self.faults = tuple(f for f in faults if not f.on_spare and f.target == rank)
+        self.rank = rank
+        self._report = report
+        self._fired: set[Fault] = set()
+
+    def fire(self, iteration: int, phase: str) -> None:
+        """Called at each phase of each iteration; does nothing unless a fault is due."""
+        for fault in faults_at(self.faults, iteration, phase, self.rank):
+            if fault in self._fired:  # a re-executed iteration does not fail again
+                continue
+            self._fired.add(fault)
+            at = time.time()
+            self._report(fault, at)
+            log.warning("injecting %s", fault)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            sys.stdout.flush()
+            if fault.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.action == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                raise InjectedFault(f"injected transient fault {fault}")

@@ -1,0 +1,269 @@
+"""The same store, membership and fencing tests against both real backends.
+
+TCPStore is hosted in this process on a free loopback port; etcd is Debian's `etcd-server`
+(installed with apt-get when missing), started on free loopback ports in a temporary data dir
+and stopped by pid. Each test uses its own job id, so one server of each serves the session.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.etcd_store import EtcdKVStore
+from deadpool_megatron.control.membership import (
+    Member,
+    Membership,
+    MembershipError,
+    MembershipStore,
+    StaleGeneration,
+    replace,
+)
+from deadpool_megatron.control.store import KVStore, StoreTimeout, StoreUnreachable
+from deadpool_megatron.control.tcp_store import TcpKVStore
+
+# func_only: the etcd fixture may need minutes of apt-get in a fresh CI image; it bounds each
+# of its own steps instead.
+pytestmark = pytest.mark.timeout(60, func_only=True)
+
+Connect = Callable[[], KVStore]
+RACERS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_binary() -> str:
+    found = shutil.which("etcd")
+    if found:
+        return found
+    if shutil.which("apt-get") is None:
+        pytest.skip("etcd is not on PATH and apt-get is not available to install etcd-server")
+    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if sudo and shutil.which("sudo") is None:
+        pytest.skip("etcd is not on PATH and installing etcd-server needs root (no sudo)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = [*sudo, "apt-get", "install", "-y", "etcd-server"]
+    done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        subprocess.run([*sudo, "apt-get", "update"], env=env, capture_output=True, timeout=600)
+        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+    found = shutil.which("etcd")
+    if found is None:
+        pytest.skip(f"`apt-get install -y etcd-server` failed: {(done.stderr or '')[-500:]}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def etcd_url(tmp_path_factory) -> Iterator[str]:
+    binary = etcd_binary()
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    data = tmp_path_factory.mktemp("etcd")
+    with open(data.parent / "etcd.log", "wb") as log:
+        # fmt: off
+        proc = subprocess.Popen(
+            [binary, "--name", "deadpool-test", "--data-dir", str(data / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"deadpool-test={peer}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        # fmt: on
+    try:
+        probe, deadline = EtcdKVStore(client, timeout_s=0.5), time.monotonic() + 15
+        while True:
+            try:
+                probe.get("probe")
+                break
+            except StoreUnreachable:
+                tail = (data.parent / "etcd.log").read_text()[-1500:]
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"etcd at {client} did not start (rc {proc.poll()}):\n{tail}")
+                time.sleep(0.05)
+        yield client
+    finally:
+        proc.terminate()  # by pid: only the etcd we started
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def tcp_host() -> Iterator[TcpKVStore]:
+    host = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=10)
+    yield host
+    host.close()
+
+
+@pytest.fixture(params=["tcp", "etcd"])
+def connect(request) -> Connect:
+    """Opens a new client of the backend (one per racer, as separate processes would)."""
+    if request.param == "tcp":
+        port = request.getfixturevalue("tcp_host").port
+        return lambda: TcpKVStore("127.0.0.1", port, timeout_s=10)
+    url = request.getfixturevalue("etcd_url")
+    return lambda: EtcdKVStore(url, timeout_s=5)
+
+
+@pytest.fixture
+def job() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def initial(spares: tuple[str, ...] = ("spare-0", "spare-1")) -> Membership:
+    return Membership(0, tuple(Member(r, f"w{r}", (r % 2, r // 2, 0)) for r in range(4)), spares)
+
+
+def race(connect: Connect, attempt: Callable[[KVStore, int], object]) -> list[object]:
+    """Runs `attempt(client, i)` in RACERS threads released together; returns results/errors."""
+    clients = [connect() for _ in range(RACERS)]
+    start, results = threading.Barrier(RACERS), [None] * RACERS
+
+    def run(i: int) -> None:
+        start.wait(timeout=10)
+        try:
+            results[i] = attempt(clients[i], i)
+        except Exception as err:  # noqa: BLE001 - the race outcome is what we assert on
+            results[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(RACERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for c in clients:
+        c.close()
+    return results
+
+
+def test_get_set_add_delete(connect, job):
+    store, key = connect(), keys.job_finished(job)
+    assert store.get(key) is None  # absent: answered at once, not waited for
+    store.set(key, b"1")
+    assert store.get(key) == b"1"
+    counter = keys.failure(job, 0) + "/count"
+    assert [store.add(counter, 1), store.add(counter, 5)] == [1, 6]
+    assert store.delete(key) is True and store.delete(key) is False
+    assert store.get(key) is None
+
+
+def test_compare_and_swap_semantics(connect, job):
+    store, key = connect(), keys.spare(job, 0)
+    assert store.compare_and_swap(key, None, b"a") == (True, b"a")
+    assert store.compare_and_swap(key, None, b"b") == (False, b"a")  # must not exist: it does
+    assert store.compare_and_swap(key, b"x", b"b") == (False, b"a")
+    assert store.compare_and_swap(key, b"a", b"b") == (True, b"b")
+    assert store.get(key) == b"b"
+    assert store.compare_and_swap(keys.spare(job, 1), b"a", b"c") == (False, None)
+
+
+def test_identical_racing_swaps_have_exactly_one_winner(connect, job):
+    key = keys.failure(job, 0)
+    results = race(connect, lambda c, i: c.compare_and_swap(key, None, b"same bytes"))
+    assert sorted(ok for ok, _ in results) == [False] * (RACERS - 1) + [True]
+    assert all(value == b"same bytes" for _, value in results)
+
+
+def test_concurrent_adds_are_atomic(connect, job):
+    key = keys.failure(job, 0) + "/count"
+    results = race(connect, lambda c, i: [c.add(key, 1) for _ in range(5)])
+    assert sorted(n for r in results for n in r) == list(range(1, 5 * RACERS + 1))
+
+
+def test_wait_returns_when_keys_appear_and_names_missing_ones(connect, job):
+    store, a, b = connect(), keys.heartbeat(job, 0, 0), keys.heartbeat(job, 0, 1)
+    threading.Timer(0.2, lambda: connect().set(a, b"beat")).start()
+    store.wait([a], timeout_s=5)
+    with pytest.raises(StoreTimeout, match=f"'{b}'"):
+        store.wait([a, b], timeout_s=0.3)
+
+
+def test_membership_is_created_once(connect, job):
+    members = MembershipStore(connect(), job)
+    assert members.current() is None
+    members.create(initial())
+    assert members.current() == initial()
+    with pytest.raises(MembershipError, match=f"job {job} already has a membership"):
+        MembershipStore(connect(), job).create(initial(spares=()))
+
+
+def test_racing_commits_of_one_generation_have_exactly_one_winner(connect, job):
+    MembershipStore(connect(), job).create(initial())
+    plans = [replace(initial(), failed_rank=i % 4, spare_id=f"spare-{i % 2}") for i in range(8)]
+    results = race(connect, lambda c, i: MembershipStore(c, job).commit(plans[i], 0))
+    winners = [i for i, r in enumerate(results) if r is None]
+    assert len(winners) == 1, results
+    losers = [r for r in results if r is not None]
+    assert all(isinstance(r, StaleGeneration) and r.current_generation == 1 for r in losers)
+    assert MembershipStore(connect(), job).current() == plans[winners[0]]
+
+
+def test_write_by_an_older_generation_is_refused(connect, job):
+    members = MembershipStore(connect(), job)
+    members.create(initial())
+    gen1 = replace(initial(), 0)
+    members.commit(gen1, writer_generation=0)
+    zombie_plan = replace(initial(), 3)  # a fenced process still planning from generation 0
+    with pytest.raises(StaleGeneration, match="generation 0 refused.*at generation 1"):
+        MembershipStore(connect(), job).commit(zombie_plan, writer_generation=0)
+    with pytest.raises(MembershipError, match="must commit generation 1, not 2"):
+        members.commit(replace(gen1, 1), writer_generation=0)
+    members.commit(replace(gen1, 1), writer_generation=1)
+    assert members.current().generation == 2 and members.current().spares == ()
+
+
+def test_spare_is_claimed_exactly_once_under_a_race(connect, job):
+    MembershipStore(connect(), job).create(initial())
+    results = race(connect, lambda c, i: MembershipStore(c, job).claim_spare("spare-0", 0, f"r{i}"))
+    assert sorted(results) == [False] * (RACERS - 1) + [True]
+    members = MembershipStore(connect(), job)
+    assert members.claim_spare("spare-1", 0) is True  # another spare is still free
+    with pytest.raises(StaleGeneration, match="generation 5 refused"):
+        members.claim_spare("spare-0", by_generation=5)
+    with pytest.raises(MembershipError, match="spare 'spare-7' is not free"):
+        members.claim_spare("spare-7", by_generation=0)
+
+
+def test_unreachable_tcp_store_names_its_endpoint():
+    port = free_port()  # nothing listens here
+    start = time.monotonic()
+    with pytest.raises(StoreUnreachable, match=f"127.0.0.1:{port}"):
+        TcpKVStore("127.0.0.1", port, timeout_s=0.5)
+    assert time.monotonic() - start < 5
+
+
+def test_tcp_store_that_goes_away_is_reported_unreachable():
+    host = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=2)
+    port = host.port
+    client = TcpKVStore("127.0.0.1", port, timeout_s=2)
+    client.set("k", b"v")
+    host.close()
+    with pytest.raises(StoreUnreachable, match=f"127.0.0.1:{port}"):
+        client.get("k")
+
+
+def test_unreachable_etcd_names_every_endpoint():
+    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    start = time.monotonic()
+    with pytest.raises(StoreUnreachable, match=f"{dead[0]},{dead[1]} is unreachable"):
+        EtcdKVStore(",".join(dead), timeout_s=0.5).get("k")
+    assert time.monotonic() - start < 5
+
+
+def test_etcd_fails_over_to_an_endpoint_that_answers(etcd_url, job):
+    store = EtcdKVStore(f"http://127.0.0.1:{free_port()},{etcd_url}", timeout_s=0.5)
+    store.set(keys.job_finished(job), b"1")
+    assert store.get(keys.job_finished(job)) == b"1"
+    assert store.endpoint.startswith(etcd_url)  # the live one is now tried first
