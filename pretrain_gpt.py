@@ -7,6 +7,8 @@ for one process). `--help` lists every flag; `--config configs/demo.yaml` loads 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import sys
@@ -14,7 +16,15 @@ import sys
 from deadpool_megatron.errors import ConfigError
 from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron.arguments import parse_job_args
-from deadpool_megatron.runtime import ROLE_SPARE, ProcessEnv
+from deadpool_megatron.runtime import ENV_PREFLIGHT_OUT, ROLE_SPARE, ProcessEnv
+
+
+def _write_preflight(cfg) -> None:
+    """Tell deadpool-launch the settings it acts on (heartbeats, faults, event log)."""
+    path = os.environ.get(ENV_PREFLIGHT_OUT)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(dataclasses.asdict(cfg.deadpool), fh)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,12 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return ConfigError.exit_code
     if env.preflight:
+        _write_preflight(cfg)
         return 0
     setup_logging("" if env.under_launcher else f"rank {env.rank}")
     if env.role == ROLE_SPARE:
         from deadpool_megatron.control.spare import run_spare
 
-        return run_spare(env)
+        return run_spare(env, cfg)
     from deadpool_megatron.megatron.worker import run_worker
 
     return run_worker(cfg, env)

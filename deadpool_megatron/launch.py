@@ -12,31 +12,40 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from .control import keys
+from .control.monitor import Detection, Monitor
+from .control.tcp_store import TcpKVStore
 from .errors import ConfigError
+from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, SPARE_LOST, EventLog
+from .failure.classify import describe
+from .failure.evidence import HeartbeatStale, ProcessExited
+from .failure.inject import parse_faults
 from .logging_setup import setup_logging
 from .runtime import (
     ENV_JOB_ID,
     ENV_PREFLIGHT,
+    ENV_PREFLIGHT_OUT,
     ENV_ROLE,
     ENV_SPARE_INDEX,
-    KEY_JOB_FINISHED,
+    ENV_SPARES,
     ROLE_SPARE,
     ROLE_WORKER,
 )
 
 log = logging.getLogger("deadpool.launch")
 
-KEY_NODES_DONE = "job/nodes_done"
 TERMINATE_GRACE_S = 5.0
 POLL_S = 0.02
 
@@ -84,6 +93,30 @@ def validate_launch_args(a: argparse.Namespace) -> None:
 
 
 @dataclass
+class ControlSettings:
+    """What the launcher acts on, learnt from the script's --deadpool... flags (preflight)."""
+
+    deadpool: bool = False
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
+    inject: str | None = None
+    event_log: str | None = None
+
+    @classmethod
+    def from_preflight(cls, d: dict) -> ControlSettings:
+        return cls(
+            deadpool=bool(d.get("deadpool")),
+            heartbeat_interval=float(d.get("deadpool_heartbeat_interval", 0.5)),
+            heartbeat_timeout=float(d.get("deadpool_heartbeat_timeout", 2.0)),
+            inject=d.get("deadpool_inject"),
+            event_log=d.get("deadpool_event_log"),
+        )
+
+    def spare_kills(self):
+        return (f for f in parse_faults(self.inject or "") if f.on_spare)
+
+
+@dataclass
 class Child:
     role: str
     index: int  # global rank for a worker, spare index for a spare
@@ -115,17 +148,31 @@ class Launcher:
         self.port = args.master_port
         self._print_lock = threading.Lock()
         self._stop_signal: int | None = None
+        self.settings = ControlSettings()
+        self.events = EventLog(None)
+        self.kv = None
+        self.monitor: Monitor | None = None
 
     # -- start-up ---------------------------------------------------------------------------
     def preflight(self) -> int:
-        env = dict(os.environ, WORLD_SIZE=str(self.world_size), **{ENV_PREFLIGHT: "1"})
-        done = subprocess.run(
-            [sys.executable, self.args.script, *self.args.script_args],
-            env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if done.returncode != 0:
-            sys.stderr.write(done.stderr or done.stdout)
-        return done.returncode
+        """Run the script once to check its flags, and learn the settings it asks of us."""
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "settings.json")
+            env = dict(os.environ, WORLD_SIZE=str(self.world_size))
+            env.update(
+                {ENV_PREFLIGHT: "1", ENV_PREFLIGHT_OUT: out, ENV_SPARES: str(self.args.spares)}
+            )
+            done = subprocess.run(
+                [sys.executable, self.args.script, *self.args.script_args],
+                env=env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            if done.returncode != 0:
+                sys.stderr.write(done.stderr or done.stdout)
+                return done.returncode
+            if os.path.exists(out):
+                with open(out) as fh:
+                    self.settings = ControlSettings.from_preflight(json.load(fh))
+        return 0
 
     def host_store(self) -> None:
         import torch.distributed as dist
@@ -138,6 +185,7 @@ class Launcher:
             wait_for_workers=False,
         )
         self.port = self.store.port
+        self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
 
     def _env(self, role: str, index: int, local_rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -199,49 +247,94 @@ class Launcher:
         self._stop_signal = signum
 
     def watch(self) -> int:
-        workers = [c for c in self.children if c.role == ROLE_WORKER]
+        workers = {c.index: c for c in self.children if c.role == ROLE_WORKER}
         spares = [c for c in self.children if c.role == ROLE_SPARE]
+        self.events = EventLog(self.settings.event_log)
+        self.monitor = Monitor(
+            self.kv, self.job_id, sorted(workers), lambda r: workers[r].proc.poll(),
+            self.settings.heartbeat_interval, self.settings.heartbeat_timeout,
+            watch_heartbeats=self.settings.deadpool,
+        )  # fmt: skip
+        spare_kills = list(self.settings.spare_kills())
         while True:
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 log.info("received %s: forwarding it to every process", name)
                 self.terminate(self._stop_signal)
                 return 128 + self._stop_signal
-            for child in workers:
-                rc = child.proc.poll()
-                if rc is not None and rc != 0:
-                    log.error(
-                        "worker rank %d (pid %d) %s; ending the job",
-                        child.index, child.proc.pid, describe_exit(rc),
-                    )  # fmt: skip
-                    self.terminate(signal.SIGTERM)
-                    return 1
-            for child in spares:
-                rc = child.proc.poll()
-                if rc is not None and not child.reported:
-                    child.reported = True
-                    if rc != 0:
-                        log.warning(
-                            "spare %d (pid %d) %s; the job goes on without it",
-                            child.index, child.proc.pid, describe_exit(rc),
-                        )  # fmt: skip
-            if all(c.proc.poll() == 0 for c in workers):
+            detection = self.monitor.poll()
+            if detection is not None:
+                return self.on_failure(detection, workers)
+            self._watch_spares(spares, spare_kills)
+            if all(c.proc.poll() == 0 for c in workers.values()):
                 return self.finish(spares)
             time.sleep(POLL_S)
 
+    def _watch_spares(self, spares: list[Child], spare_kills: list) -> None:
+        for fault in list(spare_kills):
+            if self.monitor.iteration >= fault.iteration:
+                spare_kills.remove(fault)
+                for child in spares:
+                    if child.index == fault.target and child.proc.poll() is None:
+                        log.warning("injecting %s (pid %d)", fault, child.proc.pid)
+                        os.killpg(child.proc.pid, signal.SIGKILL)
+        for child in spares:
+            rc = child.proc.poll()
+            if rc is not None and not child.reported:
+                child.reported = True
+                if rc != 0:
+                    log.warning(
+                        "spare %d (pid %d) %s; it leaves the pool and the job goes on",
+                        child.index, child.proc.pid, describe_exit(rc),
+                    )  # fmt: skip
+                    self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
+                                     how=describe_exit(rc))  # fmt: skip
+
+    def on_failure(self, detection: Detection, workers: dict[int, Child]) -> int:
+        """Log the classified failure, fence a hung process, and (until hot-swap recovery
+        exists) end the job."""
+        c = detection.classification
+        child = workers[c.rank]
+        if isinstance(c.evidence, HeartbeatStale) and child.proc.poll() is None:
+            os.killpg(child.proc.pid, signal.SIGKILL)  # a hung gloo collective can't be aborted
+            self.monitor.forget(c.rank)
+            self.events.emit(FENCED, rank=c.rank, pid=child.proc.pid, reason=describe(c.evidence))
+            log.warning("fenced rank %d (pid %d): %s", c.rank, child.proc.pid, describe(c.evidence))
+        latency = detection.latency_s
+        self.events.emit(
+            FAILURE_DETECTED, rank=c.rank, kind=c.kind.value, evidence=type(c.evidence).__name__,
+            reason=c.reason, detect_latency_s=latency, heartbeat_iteration=self.monitor.iteration,
+        )  # fmt: skip
+        log.error(
+            "failure of rank %d classified %s: %s%s",
+            c.rank, c.kind.value, c.reason,
+            "" if latency is None else f" (detected {latency:.3f} s after the injection)",
+        )  # fmt: skip
+        if isinstance(c.evidence, ProcessExited):
+            log.error(
+                "worker rank %d (pid %d) %s; ending the job",
+                c.rank, child.proc.pid, describe_exit(c.evidence.returncode),
+            )  # fmt: skip
+        else:
+            log.error("rank %d cannot be recovered in place yet; ending the job", c.rank)
+        self.terminate(signal.SIGTERM)
+        self.events.emit(JOB_ENDED, status=1, reason=f"failure of rank {c.rank}")
+        return 1
+
     def finish(self, spares: list[Child]) -> int:
         """Every local worker succeeded: tell the spares once every node is done."""
-        done = self.store.add(KEY_NODES_DONE, 1)
-        if done >= self.args.nnodes:
-            self.store.set(KEY_JOB_FINISHED, "1")
+        finished = keys.job_finished(self.job_id)
+        if self.kv.add(keys.nodes_done(self.job_id), 1) >= self.args.nnodes:
+            self.kv.set(finished, b"1")
         deadline = time.monotonic() + 600
-        while not self.store.check([KEY_JOB_FINISHED]) and time.monotonic() < deadline:
+        while self.kv.get(finished) is None and time.monotonic() < deadline:
             time.sleep(0.2)
         deadline = time.monotonic() + 10
         while any(s.proc.poll() is None for s in spares) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.terminate(signal.SIGTERM)
         self._join_pumps()
+        self.events.emit(JOB_ENDED, status=0, reason="all workers succeeded")
         log.info(
             "job %s finished: all %d worker(s) succeeded", self.job_id, self.args.nproc_per_node
         )

@@ -24,7 +24,9 @@ def timeline_rows(events: list[dict]) -> list[tuple[str, ...]]:
             f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in details.items()
         )
         rank = "-" if e.get("rank") is None else str(e["rank"])
-        rows.append((f"{e['time'] - t0:9.3f}", e["event"], str(e.get("generation", 0)), rank, detail))
+        rows.append(
+            (f"{e['time'] - t0:9.3f}", e["event"], str(e.get("generation", 0)), rank, detail)
+        )
     return rows
 
 

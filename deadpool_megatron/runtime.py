@@ -16,10 +16,8 @@ ENV_ROLE = "DEADPOOL_ROLE"
 ENV_SPARE_INDEX = "DEADPOOL_SPARE_INDEX"
 ENV_JOB_ID = "DEADPOOL_JOB_ID"
 ENV_PREFLIGHT = "DEADPOOL_PREFLIGHT"
-
-# Keys in the job's store (the launcher hosts it); namespaced by job id by their users.
-KEY_JOB_FINISHED = "job/finished"
-KEY_SPARE = "spare/{index}"
+ENV_PREFLIGHT_OUT = "DEADPOOL_PREFLIGHT_OUT"
+ENV_SPARES = "DEADPOOL_SPARES"
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ class RingReplicator:
         self._cond = threading.Condition()
         self._stop = False
         self._corrupt_next: set[int] = set()
+        self.before_send = None  # fault injection: called with the iteration about to be sent
         self._thread = threading.Thread(target=self._run, name="deadpool-replicate", daemon=True)
         self._thread.start()
 
@@ -125,6 +126,8 @@ class RingReplicator:
                 sends, held, cpu = [], None, time.thread_time()
                 if self.successors and not sent_stop:
                     held, sent_stop = self._next_to_send(last_sent)
+                    if held is not None and self.before_send is not None:
+                        self.before_send(held.iteration)
                     posted = time.perf_counter()
                     sends = self._post_sends(held, sent_stop)
                     if held is not None:

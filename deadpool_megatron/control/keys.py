@@ -51,3 +51,23 @@ def spare_claim(job: str, spare_id: str | int) -> str:
 def job_finished(job: str) -> str:
     """Set once every worker has succeeded; tells idle spares to exit."""
     return f"{_job(job)}/finished"
+
+
+def report(job: str, generation: int, rank: int) -> str:
+    """Failure evidence a worker reports about itself (an exception it caught)."""
+    return f"{_job(job)}/gen/{generation}/report/{rank}"
+
+
+def injected(job: str, generation: int, rank: int) -> str:
+    """When a fault was injected into `rank` (detection latency is measured from it)."""
+    return f"{_job(job)}/gen/{generation}/injected/{rank}"
+
+
+def nodes_done(job: str) -> str:
+    """How many nodes' workers have all succeeded (the last one sets job_finished)."""
+    return f"{_job(job)}/nodes_done"
+
+
+def spare_heartbeat(job: str, spare_id: str | int) -> str:
+    """Last beat of an idle spare (spares have no rank and no generation)."""
+    return f"{_job(job)}/spare/{spare_id}/heartbeat"

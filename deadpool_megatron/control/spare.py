@@ -1,37 +1,50 @@
-"""A spare process: registers with the job's store and waits, idle, for the job to end.
+"""A spare process: registers with the job's store, warms up, and waits idle for the job's end.
 
-Later this is where a spare pre-builds its model skeleton and waits to be claimed; for now it
-only proves the launcher can keep spares alive beside the workers and end them cleanly.
+While idle it pays in advance what a hot-swap would otherwise pay: the imports of torch and
+megatron-core and the CPU backend's routing (several seconds per process here). The hot-swap
+issue adds being claimed and taking over a failed rank's coordinates.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
 
-from ..runtime import KEY_JOB_FINISHED, KEY_SPARE, ProcessEnv
+from ..events import SPARE_REGISTERED, EventLog
+from ..runtime import ProcessEnv
+from . import keys
+from .client import ControlClient
 
 log = logging.getLogger("deadpool.spare")
 
 
-def run_spare(env: ProcessEnv, poll_s: float = 0.5) -> int:
-    import torch.distributed as dist
+def warm_up(force_cpu: bool) -> float:
+    start = time.perf_counter()
+    from ..megatron import cpu_backend
 
-    if env.master_port is None:
-        log.error("a spare needs the launcher's store (MASTER_PORT is unset)")
-        return 2
-    store = dist.TCPStore(
-        env.master_addr,
-        env.master_port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=300),
-        wait_for_workers=False,
+    if cpu_backend.should_activate(force_cpu):
+        cpu_backend.activate()
+    else:
+        import megatron.core.models.gpt  # noqa: F401
+    return time.perf_counter() - start
+
+
+def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.5) -> int:
+    client = ControlClient(env)
+    events = EventLog(cfg.deadpool.deadpool_event_log)
+    client.register_spare(env.spare_index)
+    warm_s = warm_up(cfg.system.cpu)
+    events.emit(SPARE_REGISTERED, spare=env.spare_index, pid=os.getpid(), warm_up_s=warm_s)
+    log.info(
+        "spare %d registered (pid %d), warmed up in %.1f s, idle",
+        env.spare_index, os.getpid(), warm_s,
+    )  # fmt: skip
+    client.start_heartbeats(
+        cfg.deadpool.deadpool_heartbeat_interval, keys.spare_heartbeat(env.job_id, env.spare_index)
     )
-    store.set(KEY_SPARE.format(index=env.spare_index), str(os.getpid()))
-    log.info("spare %d registered (pid %d), idle", env.spare_index, os.getpid())
-    while not store.check([KEY_JOB_FINISHED]):
+    while not client.job_finished():
         time.sleep(poll_s)
+    client.close()
     log.info("spare %d: job finished, exiting", env.spare_index)
     return 0

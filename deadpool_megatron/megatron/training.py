@@ -35,10 +35,16 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def forward_step(data_iterator, model):
+def forward_step(data_iterator, model, on_backward=None):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    if on_backward is not None and output.requires_grad:
+        output.register_hook(lambda grad: on_backward())  # runs when backward reaches here
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def _no_fault(iteration: int, phase: str) -> None:
+    pass
 
 
 class Trainer:
@@ -57,6 +63,7 @@ class Trainer:
         )
         self.iteration = 0
         self.pipeline = None  # DeadPool's protection pipeline, when --deadpool is on
+        self.fire = _no_fault  # fault injection: fire(iteration, phase)
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
         self.metrics = MetricsWriter(cfg.logging.metrics_jsonl if self.is_logging_rank else None)
         tcfg = state.transformer_config
@@ -76,16 +83,27 @@ class Trainer:
             out.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         return out
 
+    def _forward_step_func(self, iteration: int):
+        # megatron-core counts the function's parameters to decide how to call it: keep two.
+        def step(data_iterator, model):
+            return forward_step(
+                data_iterator, model, on_backward=lambda: self.fire(iteration, "backward")
+            )
+
+        return step
+
     def train_step(self) -> float | None:
         """Run iteration self.iteration + 1; returns the DP-averaged loss on the last stage."""
         s = self.state
+        current = self.iteration + 1
+        self.fire(current, "forward")
         batches = self._micro_batches(self.iteration)
         iterators = [iter(batches) for _ in s.model]
         for chunk in s.model:
             chunk.zero_grad_buffer()
         s.optimizer.zero_grad()
         losses = self._fwd_bwd(
-            forward_step_func=forward_step,
+            forward_step_func=self._forward_step_func(current),
             data_iterator=iterators if len(s.model) > 1 else iterators[0],
             model=s.model if len(s.model) > 1 else s.model[0],
             num_microbatches=self.num_microbatches,
@@ -93,6 +111,7 @@ class Trainer:
             micro_batch_size=self.cfg.training.micro_batch_size,
             forward_only=False,
         )
+        self.fire(current, "optimizer")
         update_successful, _grad_norm, _zeros = s.optimizer.step()
         if update_successful:
             s.scheduler.step(increment=1)
@@ -112,6 +131,7 @@ class Trainer:
             start = time.perf_counter()
             loss = self.train_step()
             if self.pipeline is not None:
+                self.fire(self.iteration, "snapshot")
                 self.pipeline.after_step(self.iteration)
             elapsed_ms = (time.perf_counter() - start) * 1000.0
             if self.is_logging_rank and loss is not None:

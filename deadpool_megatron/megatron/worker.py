@@ -9,6 +9,7 @@ import psutil
 import torch.distributed as dist
 
 from ..config import JobConfig
+from ..events import FAULT_INJECTED, EventLog
 from ..runtime import ProcessEnv
 from . import checkpointing, parallel
 from .model import build_train_state
@@ -46,12 +47,18 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
         from .hooks import build_pipeline
 
         trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
+    control = _attach_control(cfg, env, trainer)
     log.info(
         "ready to train %.1f s after process start (set-up %.1f s), from iteration %d",
         time.time() - psutil.Process().create_time(), time.perf_counter() - start,
         trainer.iteration,
     )  # fmt: skip
-    trainer.train()
+    try:
+        trainer.train(on_iteration=control.on_iteration if control else None)
+    except Exception as err:
+        if control is None:
+            raise
+        return control.failed(err)
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
         checkpointing.save(cfg, state, trainer.iteration)
@@ -60,5 +67,56 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
         log.info("protection: %s", trainer.protection_summary())
     trainer.finish()
     parallel.destroy_distributed()
+    if control is not None:
+        control.close()
     log.debug("worker done")
     return 0
+
+
+class WorkerControl:
+    """Heartbeats after warm-up, fault injection, and reporting a caught failure."""
+
+    def __init__(self, cfg: JobConfig, env: ProcessEnv, trainer: Trainer):
+        from ..control.client import ControlClient
+        from ..failure.inject import parse_faults
+        from ..failure.injector import FaultInjector
+
+        self.cfg = cfg
+        self.client = ControlClient(env)
+        self.events = EventLog(cfg.deadpool.deadpool_event_log, rank=env.rank)
+        faults = parse_faults(cfg.deadpool.deadpool_inject or "")
+        self.injector = FaultInjector(faults, env.rank, self._injected)
+        trainer.fire = self.injector.fire
+        if trainer.pipeline is not None:
+            trainer.pipeline.replicator.before_send = lambda it: self.injector.fire(it, "replicate")
+
+    def _injected(self, fault, at: float) -> None:
+        self.client.report_injection(fault, at)
+        self.events.emit(FAULT_INJECTED, at=at, fault=str(fault))
+
+    def on_iteration(self, trainer: Trainer) -> None:
+        self.client.iteration = trainer.iteration
+        if self.cfg.deadpool.deadpool:  # after the first iteration: warm-up is over
+            self.client.start_heartbeats(self.cfg.deadpool.deadpool_heartbeat_interval)
+
+    def failed(self, err: Exception) -> int:
+        """Report what this process saw, stay alive and healthy, and let the launcher decide
+        (until hot-swap recovery exists, it ends the job)."""
+        from ..failure.injector import InjectedFault
+
+        kind = "injected_transient" if isinstance(err, InjectedFault) else "collective_error"
+        self.client.report_failure(kind, f"{type(err).__name__}: {err}")
+        log.error("training failed: %s: %s; reported to the launcher", type(err).__name__, err)
+        time.sleep(self.cfg.deadpool.deadpool_heartbeat_timeout + 30.0)
+        return 1
+
+    def close(self) -> None:
+        self.client.close()
+        self.events.close()
+
+
+def _attach_control(cfg: JobConfig, env: ProcessEnv, trainer: Trainer) -> WorkerControl | None:
+    wanted = cfg.deadpool.deadpool or cfg.deadpool.deadpool_inject
+    if not wanted or not env.under_launcher:
+        return None
+    return WorkerControl(cfg, env, trainer)

@@ -1,0 +1,74 @@
+"""A worker's (or spare's) line to the job's control store: heartbeats and reports.
+
+Each process opens its own connection to the store the launcher hosts (never the one its
+process groups use), so a beat or a report never waits behind a collective's rendezvous.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from ..failure.heartbeat import HeartbeatSender
+from ..failure.inject import Fault
+from ..runtime import ProcessEnv
+from . import keys
+from .tcp_store import TcpKVStore
+
+
+class ControlClient:
+    def __init__(self, env: ProcessEnv, generation: int = 0, timeout_s: float = 30.0):
+        if env.master_port is None:
+            raise RuntimeError("the control store needs MASTER_PORT: start with deadpool-launch")
+        self.env = env
+        self.job = env.job_id
+        self.generation = generation
+        self.kv = TcpKVStore(env.master_addr, env.master_port, timeout_s=timeout_s)
+        self._sender: HeartbeatSender | None = None
+        self.iteration = 0
+
+    # -- heartbeats -------------------------------------------------------------------------
+    def start_heartbeats(self, interval_s: float, key: str | None = None) -> None:
+        """Begin beating (after warm-up: imports and the first iteration starve threads)."""
+        if self._sender is not None:
+            return
+        key = key or keys.heartbeat(self.job, self.generation, self.env.rank)
+        pid = os.getpid()
+
+        def publish(now: float) -> None:
+            beat = {"t": time.time(), "iteration": self.iteration, "pid": pid}
+            self.kv.set(key, json.dumps(beat).encode())
+
+        self._sender = HeartbeatSender(publish, interval_s)
+        self._sender.start()
+
+    def stop_heartbeats(self) -> None:
+        if self._sender is not None:
+            self._sender.stop()
+            self._sender.join(timeout=5)
+            self._sender = None
+
+    # -- reports ----------------------------------------------------------------------------
+    def report_injection(self, fault: Fault, at: float) -> None:
+        record = {"fault": str(fault), "at": at}
+        self.kv.set(
+            keys.injected(self.job, self.generation, self.env.rank), json.dumps(record).encode()
+        )
+
+    def report_failure(self, kind: str, message: str, at: float | None = None) -> None:
+        """Evidence this process has about its own failure (an exception it caught)."""
+        record = {"kind": kind, "message": message[:2000], "at": time.time() if at is None else at}
+        self.kv.set(
+            keys.report(self.job, self.generation, self.env.rank), json.dumps(record).encode()
+        )
+
+    def register_spare(self, index: int) -> None:
+        self.kv.set(keys.spare(self.job, index), str(os.getpid()).encode())
+
+    def job_finished(self) -> bool:
+        return self.kv.get(keys.job_finished(self.job)) is not None
+
+    def close(self) -> None:
+        self.stop_heartbeats()
+        self.kv.close()
