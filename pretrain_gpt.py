@@ -24,7 +24,14 @@ def _write_preflight(cfg) -> None:
     path = os.environ.get(ENV_PREFLIGHT_OUT)
     if path:
         with open(path, "w") as fh:
-            json.dump(dataclasses.asdict(cfg.deadpool), fh)
+            json.dump(
+                {
+                    **dataclasses.asdict(cfg.deadpool),
+                    "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+                    "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
+                },
+                fh,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

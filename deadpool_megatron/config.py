@@ -161,6 +161,19 @@ class DeadpoolConfig:
         "raise@RANK:ITER[:PHASE] (transient), kill-spare@INDEX:ITER; PHASE: forward, backward, "
         "optimizer, snapshot, replicate, recovery.",
     )
+    deadpool_store: str = knob(
+        "tcp",
+        "Coordination store for heartbeats, reports and membership: tcp (the TCPStore "
+        "deadpool-launch hosts) or etcd (survives the loss of any one host).",
+        choices=("tcp", "etcd"),
+    )
+    deadpool_etcd_endpoints: str | None = knob(
+        None, "Comma-separated etcd v3 endpoints for --deadpool-store etcd, e.g. http://h:2379."
+    )
+    deadpool_chaos_mtbf: float | None = knob(
+        None, "Chaos mode: kill or hang random ranks with this mean time between failures (s)."
+    )
+    deadpool_chaos_seed: int = knob(0, "Seed of the chaos schedule (reproducible per seed).")
     deadpool_event_log: str | None = knob(
         None, "Append one JSON line per failure, fencing, spare and recovery event to this file."
     )
@@ -428,6 +441,19 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
     from .failure.inject import parse_faults
 
     check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
+    if dpc.deadpool_store == "etcd":
+        from .control.etcd_store import parse_endpoints
+
+        _require(
+            bool(dpc.deadpool_etcd_endpoints),
+            "--deadpool-store etcd needs --deadpool-etcd-endpoints http://HOST:PORT[,...]",
+        )
+        parse_endpoints(dpc.deadpool_etcd_endpoints)
+    if dpc.deadpool_chaos_mtbf is not None:
+        _require(
+            dpc.deadpool_chaos_mtbf > 0,
+            f"--deadpool-chaos-mtbf={dpc.deadpool_chaos_mtbf} must be a positive number of seconds",
+        )
     if dpc.deadpool_inject:
         spares = os.environ.get("DEADPOOL_SPARES")
         parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),

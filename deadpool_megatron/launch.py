@@ -22,10 +22,14 @@ import tempfile
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from .control import keys
+from .control.chaos import Chaos
+from .control.connect import control_store
+from .control.membership import Member, Membership, MembershipStore
 from .control.monitor import Detection, Monitor
+from .control.store import StoreUnreachable
 from .control.tcp_store import TcpKVStore
 from .errors import ConfigError
 from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, SPARE_LOST, EventLog
@@ -43,6 +47,7 @@ from .runtime import (
     ROLE_SPARE,
     ROLE_WORKER,
 )
+from .topology import Topology
 
 log = logging.getLogger("deadpool.launch")
 
@@ -101,6 +106,12 @@ class ControlSettings:
     heartbeat_timeout: float = 2.0
     inject: str | None = None
     event_log: str | None = None
+    store: str = "tcp"
+    etcd_endpoints: str | None = None
+    chaos_mtbf: float | None = None
+    chaos_seed: int = 0
+    tp: int = 1
+    pp: int = 1
 
     @classmethod
     def from_preflight(cls, d: dict) -> ControlSettings:
@@ -110,6 +121,12 @@ class ControlSettings:
             heartbeat_timeout=float(d.get("deadpool_heartbeat_timeout", 2.0)),
             inject=d.get("deadpool_inject"),
             event_log=d.get("deadpool_event_log"),
+            store=d.get("deadpool_store", "tcp"),
+            etcd_endpoints=d.get("deadpool_etcd_endpoints"),
+            chaos_mtbf=d.get("deadpool_chaos_mtbf"),
+            chaos_seed=int(d.get("deadpool_chaos_seed", 0)),
+            tp=int(d.get("tensor_model_parallel_size", 1)),
+            pp=int(d.get("pipeline_model_parallel_size", 1)),
         )
 
     def spare_kills(self):
@@ -185,7 +202,10 @@ class Launcher:
             wait_for_workers=False,
         )
         self.port = self.store.port
-        self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
+        if self.settings.store == "etcd":
+            self.kv = control_store("etcd", self.settings.etcd_endpoints, "", 0)
+        else:
+            self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
 
     def _env(self, role: str, index: int, local_rank: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -256,6 +276,8 @@ class Launcher:
             watch_heartbeats=self.settings.deadpool,
         )  # fmt: skip
         spare_kills = list(self.settings.spare_kills())
+        chaos = Chaos(self.settings, workers, self.kv, self.job_id, self.events)
+        membership_written = self.args.node_rank != 0 or not self.settings.deadpool
         while True:
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
@@ -266,6 +288,9 @@ class Launcher:
             if detection is not None:
                 return self.on_failure(detection, workers)
             self._watch_spares(spares, spare_kills)
+            chaos.step(self.monitor.iteration)
+            if not membership_written:
+                membership_written = self._write_membership(spares)
             if all(c.proc.poll() == 0 for c in workers.values()):
                 return self.finish(spares)
             time.sleep(POLL_S)
@@ -289,6 +314,22 @@ class Launcher:
                     )  # fmt: skip
                     self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
                                      how=describe_exit(rc))  # fmt: skip
+
+    def _write_membership(self, spares: list[Child]) -> bool:
+        """Generation 0's membership, once every rank has registered its process."""
+        holders = [
+            self.kv.get(keys.registration(self.job_id, 0, r)) for r in range(self.world_size)
+        ]
+        if any(h is None for h in holders):
+            return False
+        topo = Topology(self.world_size, self.settings.tp, self.settings.pp)
+        members = tuple(
+            Member(r, h.decode(), astuple(topo.coords(r))) for r, h in enumerate(holders)
+        )
+        ids = tuple(f"spare-{c.index}" for c in spares if c.proc.poll() is None)
+        MembershipStore(self.kv, self.job_id).create(Membership(0, members, ids))
+        log.info("generation 0: %d ranks and %d spare(s) recorded", len(members), len(ids))
+        return True
 
     def on_failure(self, detection: Detection, workers: dict[int, Child]) -> int:
         """Log the classified failure, fence a hung process, and (until hot-swap recovery
@@ -375,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
             return rc
     signal.signal(signal.SIGINT, launcher._on_signal)
     signal.signal(signal.SIGTERM, launcher._on_signal)
-    launcher.host_store()
+    try:
+        launcher.host_store()
+    except StoreUnreachable as err:
+        print(f"deadpool-launch: error: {err}", file=sys.stderr)
+        return ConfigError.exit_code
     launcher.start()
     return launcher.watch()
 

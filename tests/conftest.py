@@ -1,4 +1,53 @@
+"""Shared test set-up: the tests folder on sys.path (for `jobs`), and a real etcd server
+(Debian's etcd-server, installed with apt-get when missing) for the tests that need one."""
+
+import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from etcd_server import etcd_binary, free_port  # noqa: E402
+
+from deadpool_megatron.control.etcd_store import EtcdKVStore  # noqa: E402
+from deadpool_megatron.control.store import StoreUnreachable  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def etcd_url(tmp_path_factory) -> Iterator[str]:
+    binary = etcd_binary()
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+    data = tmp_path_factory.mktemp("etcd")
+    with open(data.parent / "etcd.log", "wb") as log:
+        # fmt: off
+        proc = subprocess.Popen(
+            [binary, "--name", "deadpool-test", "--data-dir", str(data / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"deadpool-test={peer}"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        # fmt: on
+    try:
+        probe, deadline = EtcdKVStore(client, timeout_s=0.5), time.monotonic() + 15
+        while True:
+            try:
+                probe.get("probe")
+                break
+            except StoreUnreachable:
+                tail = (data.parent / "etcd.log").read_text()[-1500:]
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"etcd at {client} did not start (rc {proc.poll()}):\n{tail}")
+                time.sleep(0.05)
+        yield client
+    finally:
+        proc.terminate()  # by pid: only the etcd we started
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)

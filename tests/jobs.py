@@ -28,21 +28,28 @@ class JobResult:
         return self.final["state_digest"] if self.final else None
 
 
-def launch_cmd(nproc: int, args: list[str], spares: int = 0) -> list[str]:
+def launch_cmd(
+    nproc: int, args: list[str], spares: int = 0, launcher: list[str] | None = None
+) -> list[str]:
     return [
         sys.executable, "-m", "deadpool_megatron.launch",
-        "--nproc-per-node", str(nproc), "--spares", str(spares),
+        "--nproc-per-node", str(nproc), "--spares", str(spares), *(launcher or []),
         str(ROOT / "pretrain_gpt.py"), *args,
     ]  # fmt: skip
 
 
 def run_job(
-    tmp_path: Path, nproc: int, args: list[str], spares: int = 0, name: str = "run"
+    tmp_path: Path,
+    nproc: int,
+    args: list[str],
+    spares: int = 0,
+    name: str = "run",
+    launcher: list[str] | None = None,
 ) -> JobResult:
     """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file."""
     metrics = tmp_path / f"{name}.jsonl"
     done = subprocess.run(
-        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares),
+        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares, launcher),
         cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
     )  # fmt: skip
     (tmp_path / f"{name}.log").write_text(done.stdout + done.stderr)

@@ -8,23 +8,34 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 
+from ..config import DeadpoolConfig
 from ..failure.heartbeat import HeartbeatSender
 from ..failure.inject import Fault
 from ..runtime import ProcessEnv
 from . import keys
-from .tcp_store import TcpKVStore
+from .connect import control_store
 
 
 class ControlClient:
-    def __init__(self, env: ProcessEnv, generation: int = 0, timeout_s: float = 30.0):
+    def __init__(
+        self,
+        env: ProcessEnv,
+        settings: DeadpoolConfig,
+        generation: int = 0,
+        timeout_s: float = 30.0,
+    ):
         if env.master_port is None:
             raise RuntimeError("the control store needs MASTER_PORT: start with deadpool-launch")
         self.env = env
         self.job = env.job_id
         self.generation = generation
-        self.kv = TcpKVStore(env.master_addr, env.master_port, timeout_s=timeout_s)
+        self.kv = control_store(
+            settings.deadpool_store, settings.deadpool_etcd_endpoints,
+            env.master_addr, env.master_port, timeout_s,
+        )  # fmt: skip
         self._sender: HeartbeatSender | None = None
         self.iteration = 0
 
@@ -62,6 +73,11 @@ class ControlClient:
         self.kv.set(
             keys.report(self.job, self.generation, self.env.rank), json.dumps(record).encode()
         )
+
+    def register_worker(self) -> None:
+        """Tell the launcher which process holds this rank (for the membership view)."""
+        key = keys.registration(self.job, self.generation, self.env.rank)
+        self.kv.set(key, f"{socket.gethostname()}:{os.getpid()}".encode())
 
     def register_spare(self, index: int) -> None:
         self.kv.set(keys.spare(self.job, index), str(os.getpid()).encode())

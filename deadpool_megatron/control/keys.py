@@ -71,3 +71,8 @@ def nodes_done(job: str) -> str:
 def spare_heartbeat(job: str, spare_id: str | int) -> str:
     """Last beat of an idle spare (spares have no rank and no generation)."""
     return f"{_job(job)}/spare/{spare_id}/heartbeat"
+
+
+def registration(job: str, generation: int, rank: int) -> str:
+    """The process (host:pid) that holds `rank` in `generation`, written by itself."""
+    return f"{_job(job)}/gen/{generation}/registration/{rank}"

@@ -31,7 +31,7 @@ def warm_up(force_cpu: bool) -> float:
 
 
 def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.5) -> int:
-    client = ControlClient(env)
+    client = ControlClient(env, cfg.deadpool)
     events = EventLog(cfg.deadpool.deadpool_event_log)
     client.register_spare(env.spare_index)
     warm_s = warm_up(cfg.system.cpu)

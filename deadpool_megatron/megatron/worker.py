@@ -82,7 +82,8 @@ class WorkerControl:
         from ..failure.injector import FaultInjector
 
         self.cfg = cfg
-        self.client = ControlClient(env)
+        self.client = ControlClient(env, cfg.deadpool)
+        self.client.register_worker()
         self.events = EventLog(cfg.deadpool.deadpool_event_log, rank=env.rank)
         faults = parse_faults(cfg.deadpool.deadpool_inject or "")
         self.injector = FaultInjector(faults, env.rank, self._injected)

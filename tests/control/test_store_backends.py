@@ -5,16 +5,13 @@ TCPStore is hosted in this process on a free loopback port; etcd is Debian's `et
 and stopped by pid. Each test uses its own job id, so one server of each serves the session.
 """
 
-import os
-import shutil
-import socket
-import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
+from etcd_server import free_port
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.etcd_store import EtcdKVStore
@@ -35,69 +32,6 @@ pytestmark = pytest.mark.timeout(60, func_only=True)
 
 Connect = Callable[[], KVStore]
 RACERS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def etcd_binary() -> str:
-    found = shutil.which("etcd")
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        pytest.skip("etcd is not on PATH and apt-get is not available to install etcd-server")
-    sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    if sudo and shutil.which("sudo") is None:
-        pytest.skip("etcd is not on PATH and installing etcd-server needs root (no sudo)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = [*sudo, "apt-get", "install", "-y", "etcd-server"]
-    done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        subprocess.run([*sudo, "apt-get", "update"], env=env, capture_output=True, timeout=600)
-        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    found = shutil.which("etcd")
-    if found is None:
-        pytest.skip(f"`apt-get install -y etcd-server` failed: {(done.stderr or '')[-500:]}")
-    return found
-
-
-@pytest.fixture(scope="session")
-def etcd_url(tmp_path_factory) -> Iterator[str]:
-    binary = etcd_binary()
-    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    data = tmp_path_factory.mktemp("etcd")
-    with open(data.parent / "etcd.log", "wb") as log:
-        # fmt: off
-        proc = subprocess.Popen(
-            [binary, "--name", "deadpool-test", "--data-dir", str(data / "data"),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"deadpool-test={peer}"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        # fmt: on
-    try:
-        probe, deadline = EtcdKVStore(client, timeout_s=0.5), time.monotonic() + 15
-        while True:
-            try:
-                probe.get("probe")
-                break
-            except StoreUnreachable:
-                tail = (data.parent / "etcd.log").read_text()[-1500:]
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"etcd at {client} did not start (rc {proc.poll()}):\n{tail}")
-                time.sleep(0.05)
-        yield client
-    finally:
-        proc.terminate()  # by pid: only the etcd we started
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from deadpool_megatron.control.etcd_store import EtcdKVStore
+from deadpool_megatron.control.membership import MembershipStore
 from deadpool_megatron.events import read_events
 from jobs import ROOT, run_job
 
@@ -77,3 +79,22 @@ def test_healthy_job_is_never_accused_and_a_dead_spare_leaves_the_pool(tmp_path)
     registered = sorted(e["spare"] for e in events if e["event"] == "spare_registered")
     assert registered == [0, 1]
     assert "spare 1: job finished, exiting" in result.output
+
+
+def test_heartbeats_and_membership_through_etcd(tmp_path, etcd_url):
+    job = f"etcd-{tmp_path.name[-12:]}"
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--train-iters", "40", "--deadpool-inject", "hang@1:5",
+            "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd_url,
+            "--deadpool-event-log", str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job])
+    assert result.returncode == 1
+    events = read_events(str(log))
+    detected = _only(events, "failure_detected")
+    assert (detected["rank"], detected["evidence"]) == (1, "HeartbeatStale")
+    assert detected["detect_latency_s"] <= 3.0
+    membership = MembershipStore(EtcdKVStore(etcd_url), job).current()
+    assert membership.generation == 0
+    assert [m.rank for m in membership.ranks] == [0, 1, 2, 3]
+    assert [m.coords for m in membership.ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert membership.spares == ("spare-0",)

@@ -56,3 +56,11 @@ def test_missing_script_is_named():
 def test_exit_descriptions():
     assert describe_exit(-signal.SIGKILL) == "was killed by signal SIGKILL"
     assert describe_exit(3) == "exited with status 3"
+
+
+def test_unreachable_etcd_is_named_before_any_process_starts():
+    done = _launch(["--config", "configs/demo.yaml", "--deadpool-store", "etcd",
+                    "--deadpool-etcd-endpoints", "http://127.0.0.1:9"])  # fmt: skip
+    assert done.returncode == 2
+    assert "http://127.0.0.1:9" in done.stderr and "unreachable" in done.stderr
+    assert "started worker" not in done.stdout + done.stderr
