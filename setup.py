@@ -23,12 +23,19 @@ setup(
         "packaging",
         "psutil",  # dist_checkpointing's writer processes need it
         "pyyaml",
+        "xxhash",  # checksums of snapshots and replicas
+        "matplotlib",  # deadpool-report and benchmark plots
     ],
     extras_require={
         # NVIDIA apex is built from source: see the README ("GPU clusters").
         "gpu": ["transformer-engine[pytorch]"],
         "mpi": ["mpi4py>=4"],
-        "test": ["pytest>=8", "pytest-timeout", "ruff", "matplotlib"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff"],
     },
-    entry_points={"console_scripts": ["deadpool-launch=deadpool_megatron.launch:main"]},
+    entry_points={
+        "console_scripts": [
+            "deadpool-launch=deadpool_megatron.launch:main",
+            "deadpool-report=deadpool_megatron.report:main",
+        ]
+    },
 )
