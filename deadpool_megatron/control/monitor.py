@@ -26,6 +26,7 @@ from ..failure.evidence import (
     Evidence,
     InjectedTransient,
     ProcessExited,
+    is_peer_loss_message,
 )
 from ..failure.heartbeat import HeartbeatDetector
 from . import keys
@@ -46,6 +47,10 @@ class Detection:
         if self.injected_at is None:
             return None
         return self.detected_at - self.injected_at
+
+
+def _is_hearsay(e: Evidence) -> bool:
+    return isinstance(e, CollectiveError) and is_peer_loss_message(e.message)
 
 
 class Monitor:
@@ -75,6 +80,7 @@ class Monitor:
         self.history = FailureHistory()
         self.policy = ClassifyPolicy()
         self._reports: dict[int, Evidence] = {}
+        self.hearsay_grace_s = heartbeat_interval_s
 
     def poll(self) -> Detection | None:
         """One look at everything; a Detection when the evidence is conclusive."""
@@ -82,7 +88,9 @@ class Monitor:
         evidence: list[Evidence] = []
         for rank in self.ranks:
             rc = self._returncode(rank)
-            if rc is not None and rc != 0:
+            if rc == 0:  # finished: its heartbeats stop for a good reason
+                self.detector.forget(rank)
+            elif rc is not None:
                 evidence.append(ProcessExited(rank, rc, now))
         if now >= self._next_store_poll:
             self._next_store_poll = now + STORE_POLL_S
@@ -97,12 +105,21 @@ class Monitor:
             decision = classify(evidence, self.history, self.policy, ranks=self.ranks)
         except InconclusiveEvidence:
             return None  # only survivors' hearsay so far: the exit or a stale beat follows
+        won = decision.evidence
+        if _is_hearsay(won) and now - won.at < self.hearsay_grace_s:
+            # Survivors noticed a peer's loss before we saw the peer exit or go quiet; give
+            # the direct evidence a moment to arrive before acting on hearsay.
+            return None
         return Detection(decision, tuple(evidence), now, self._injected_at(decision.rank))
 
     def _read_heartbeats(self, now: float) -> None:
         for rank in self.ranks:
             raw = self.kv.get(keys.heartbeat(self.job, self.generation, rank))
-            if raw is not None and raw != self._last_beat.get(rank):
+            if (
+                raw is not None
+                and raw != self._last_beat.get(rank)
+                and self._returncode(rank) is None
+            ):
                 self._last_beat[rank] = raw
                 self.detector.beat(rank, now)
                 self.iteration = max(self.iteration, json.loads(raw).get("iteration", 0))
