@@ -1,0 +1,48 @@
+"""The event log and deadpool-report: lines from several writers, a table, a picture."""
+
+import json
+
+from deadpool_megatron.events import FAILURE_DETECTED, FENCED, EventLog, read_events
+from deadpool_megatron.report import format_table, main, timeline_rows
+
+
+def test_two_writers_append_whole_lines(tmp_path):
+    path = str(tmp_path / "events.jsonl")
+    launcher, worker = EventLog(path), EventLog(path, rank=3, generation=1)
+    launcher.emit(FENCED, at=10.5, rank=3, pid=42)
+    worker.emit("fault_injected", at=10.0, fault="hang@3:5")
+    launcher.close()
+    worker.close()
+    events = read_events(path)
+    assert [e["event"] for e in events] == [FENCED, "fault_injected"]
+    assert events[1] == {"time": 10.0, "event": "fault_injected", "generation": 1, "rank": 3,
+                         "fault": "hang@3:5"}  # fmt: skip
+
+
+def test_table_is_relative_to_the_first_event_and_sorted():
+    events = [
+        {"time": 12.25, "event": FAILURE_DETECTED, "generation": 0, "rank": 3, "kind": "permanent",
+         "detect_latency_s": 0.0625},
+        {"time": 12.0, "event": "fault_injected", "generation": 0, "rank": 3, "fault": "kill@3:5"},
+    ]  # fmt: skip
+    rows = timeline_rows(events)
+    assert [r[1] for r in rows] == ["fault_injected", FAILURE_DETECTED]
+    assert rows[1][0].strip() == "0.250" and "detect_latency_s=0.062" in rows[1][4]
+    table = format_table(rows)
+    assert table.splitlines()[0].split()[:4] == ["t", "(s)", "event", "gen"]
+
+
+def test_report_cli_writes_a_png_and_names_a_missing_file(tmp_path, capsys):
+    path = tmp_path / "e.jsonl"
+    path.write_text(
+        "\n".join(json.dumps(e) for e in [
+            {"time": 1.0, "event": "fault_injected", "generation": 0, "rank": 1},
+            {"time": 1.2, "event": FAILURE_DETECTED, "generation": 0, "rank": 1},
+        ]) + "\n"
+    )  # fmt: skip
+    assert main([str(path)]) == 0
+    png = tmp_path / "e.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "failure_detected" in capsys.readouterr().out
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "missing.jsonl' does not exist" in capsys.readouterr().err
