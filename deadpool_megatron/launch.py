@@ -382,17 +382,20 @@ class Launcher:
         return 0
 
     def terminate(self, signum: int) -> None:
+        """Signal every child's process group (a dead child's helpers, e.g. checkpoint writer
+        processes, live on in its group), wait, then SIGKILL whatever is left."""
         alive = [c for c in self.children if c.proc.poll() is None]
-        for c in alive:
-            with contextlib.suppress(ProcessLookupError):
+        for c in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.proc.pid, signum)
         deadline = time.monotonic() + TERMINATE_GRACE_S
         for c in alive:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        for c in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
+            c.proc.wait()
         self._join_pumps()
 
     def _join_pumps(self) -> None:

@@ -163,6 +163,21 @@ def materialize_optimizer_state(optimizer) -> None:
         torch_opt.zero_grad()
 
 
+def release_writer_processes() -> None:
+    """Stop the multiprocessing Manager dist_checkpointing starts for its write results.
+
+    It is a separate (spawned) process that only the Manager's finalizer stops; a worker that
+    leaves with os._exit would orphan it, holding hundreds of MB.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+        filesystem_async._results_queue = None
+
+
 def restore_adam_step(optimizer, loaded: dict) -> None:
     """Give every parameter its own, correct AdamW `step` after a load (torch-AdamW path).
 

@@ -66,6 +66,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
         trainer.pipeline.close()
         log.info("protection: %s", trainer.protection_summary())
     trainer.finish()
+    checkpointing.release_writer_processes()
     parallel.destroy_distributed()
     if control is not None:
         control.close()
