@@ -35,6 +35,13 @@ def beat(kv, rank, n):
     kv.set(keys.heartbeat(JOB, 0, rank), json.dumps({"t": n, "iteration": n}).encode())
 
 
+def report_peer_loss(kv, ranks):
+    msg = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    for rank in ranks:
+        record = {"kind": "collective_error", "message": msg, "at": 1000.0}
+        kv.set(keys.report(JOB, 0, rank), json.dumps(record).encode())
+
+
 def advance(monitor, clock, seconds):
     clock.t += seconds
     return monitor.poll()
@@ -98,12 +105,7 @@ def test_a_self_reported_injected_error_is_transient(kv):
 def test_survivors_hearsay_points_at_the_silent_rank_and_an_exit_overrides_it(kv):
     clock, codes = Clock(), {}
     monitor = make(kv, codes, clock)
-    msg = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
-    for rank in (0, 1):
-        kv.set(
-            keys.report(JOB, 0, rank),
-            json.dumps({"kind": "collective_error", "message": msg, "at": 1000.0}).encode(),
-        )
+    report_peer_loss(kv, (0, 1))
     # Every member but rank 2 reports losing a peer: hearsay waits a heartbeat interval for
     # direct evidence, and the exit that arrives meanwhile decides.
     assert advance(monitor, clock, 0.2) is None
@@ -115,12 +117,7 @@ def test_survivors_hearsay_points_at_the_silent_rank_and_an_exit_overrides_it(kv
 def test_hearsay_that_stays_alone_blames_the_silent_rank_after_the_grace(kv):
     clock, codes = Clock(), {}
     monitor = make(kv, codes, clock)
-    msg = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
-    for rank in (0, 1):
-        kv.set(
-            keys.report(JOB, 0, rank),
-            json.dumps({"kind": "collective_error", "message": msg, "at": 1000.0}).encode(),
-        )
+    report_peer_loss(kv, (0, 1))
     assert advance(monitor, clock, 0.2) is None
     d = advance(monitor, clock, 0.4)
     assert d.classification.rank == 2 and d.classification.kind.value == "transient"
