@@ -312,6 +312,7 @@ class Launcher:
                         "spare %d (pid %d) %s; it leaves the pool and the job goes on",
                         child.index, child.proc.pid, describe_exit(rc),
                     )  # fmt: skip
+                    self.kv.delete(keys.spare(self.job_id, child.index))  # out of the pool
                     self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
                                      how=describe_exit(rc))  # fmt: skip
 
