@@ -1,0 +1,118 @@
+"""The recovery planner as a table: who replaces whom, what moves, or what was lost."""
+
+import pytest
+
+from deadpool_megatron.control.membership import Member, Membership
+from deadpool_megatron.errors import DeadpoolError
+from deadpool_megatron.recovery.plan import (
+    RankHoldings,
+    RecoveryPlan,
+    Transfer,
+    Unrecoverable,
+    check_plan,
+    plan_recovery,
+)
+from deadpool_megatron.topology import Topology
+
+TOPO_3D = Topology(8, tp=2, pp=2)  # DP rings: [0,2] [1,3] [4,6] [5,7]
+TOPO_DP4 = Topology(4, tp=1, pp=1)  # one ring: 0 -> 1 -> 2 -> 3 -> 0
+
+
+def view(topo, spares=("spare-0", "spare-1")):
+    members = tuple(
+        Member(r, f"w{r}", tuple(vars(topo.coords(r))[k] for k in ("tp", "pp", "dp")))
+        for r in range(topo.world_size)
+    )
+    return Membership(0, members, spares)
+
+
+def holdings(topo, failed, snapshots=(4, 5), k=1, overrides=None):
+    """Every live rank holds `snapshots` and replicas of its k predecessors at them."""
+    out = {}
+    for r in range(topo.world_size):
+        if r in failed:
+            continue
+        reps = {p: frozenset(snapshots) for p in topo.ring_predecessors(r, k)}
+        out[r] = RankHoldings(frozenset(snapshots), reps)
+    out.update(overrides or {})
+    return out
+
+
+def test_one_dead_rank_in_3d_gets_a_spare_a_peer_and_its_replica():
+    plan = plan_recovery(view(TOPO_3D), TOPO_3D, {0}, holdings(TOPO_3D, {0}))
+    assert plan.iteration == 5 and plan.generation == 1
+    assert plan.replaced == {0: "spare-0"}
+    assert plan.membership.member(0).process_id == "spare-0"
+    assert plan.membership.member(0).coords == (0, 0, 0)
+    assert plan.membership.spares == ("spare-1",)
+    assert plan.local_restores == (1, 2, 3, 4, 5, 6, 7)
+    assert set(plan.transfers) == {
+        Transfer("parameters", 2, 0, 0, 5),  # the only DP peer of rank 0
+        Transfer("replica", 2, 0, 0, 5),  # its ring successor holds the shard
+    }
+    check_plan(plan, TOPO_3D)
+
+
+def test_transient_failures_only_roll_back_locally():
+    plan = plan_recovery(view(TOPO_3D), TOPO_3D, set(), holdings(TOPO_3D, set()))
+    assert plan.replaced == {} and plan.transfers == () and plan.generation == 1
+    assert plan.local_restores == tuple(range(8))
+    check_plan(plan, TOPO_3D)
+
+
+def test_rolls_back_to_the_newest_iteration_everyone_can_serve():
+    h = holdings(TOPO_DP4, {2})
+    h[3] = RankHoldings(frozenset({4, 5}), {2: frozenset({4})})  # replica of 5 not yet in
+    plan = plan_recovery(view(TOPO_DP4), TOPO_DP4, {2}, h)
+    assert plan.iteration == 4
+    assert Transfer("replica", 3, 2, 2, 4) in plan.transfers
+    assert Transfer("parameters", 1, 2, 2, 4) in plan.transfers  # ring predecessor first
+
+
+def test_two_adjacent_ranks_with_one_replica_are_unrecoverable_and_say_why():
+    with pytest.raises(Unrecoverable) as err:
+        plan_recovery(view(TOPO_DP4), TOPO_DP4, {1, 2}, holdings(TOPO_DP4, {1, 2}))
+    assert "rank 1 (tp 0, pp 0, dp 1)" in str(err.value)
+    assert "replicated on ranks [2] only, and [2] failed too (--deadpool-replicas 1)" in str(
+        err.value
+    )
+
+
+def test_two_adjacent_ranks_with_two_replicas_recover():
+    h = holdings(TOPO_DP4, {1, 2}, k=2)
+    plan = plan_recovery(view(TOPO_DP4), TOPO_DP4, {1, 2}, h, replicas=2)
+    assert plan.replaced == {1: "spare-0", 2: "spare-1"} and plan.generation == 1
+    assert Transfer("replica", 3, 1, 1, 5) in plan.transfers  # rank 2 died: the 2nd holder
+    assert Transfer("replica", 3, 2, 2, 5) in plan.transfers
+    check_plan(plan, TOPO_DP4)
+
+
+def test_no_spare_left_is_unrecoverable():
+    with pytest.raises(Unrecoverable, match="no spare left to replace failed rank 3"):
+        plan_recovery(view(TOPO_DP4, spares=()), TOPO_DP4, {3}, holdings(TOPO_DP4, {3}))
+
+
+def test_a_whole_dp_group_lost_names_the_parameters():
+    topo = Topology(4, tp=2, pp=1)  # rings [0,2] [1,3]
+    with pytest.raises(Unrecoverable, match="no live DP peer with the same TP/PP"):
+        plan_recovery(view(topo), topo, {0, 2}, holdings(topo, {0, 2}))
+
+
+def test_no_common_snapshot_is_unrecoverable():
+    h = holdings(TOPO_DP4, {0})
+    h[1] = RankHoldings(frozenset({7}), {0: frozenset({7})})
+    with pytest.raises(Unrecoverable, match="share no committed snapshot iteration"):
+        plan_recovery(view(TOPO_DP4), TOPO_DP4, {0}, h)
+
+
+def test_check_plan_rejects_a_rank_restored_twice_or_from_a_failed_source():
+    good = plan_recovery(view(TOPO_DP4), TOPO_DP4, {0}, holdings(TOPO_DP4, {0}))
+    twice = RecoveryPlan(good.membership, good.iteration, good.replaced,
+                         (0, *good.local_restores), good.transfers)  # fmt: skip
+    with pytest.raises(DeadpoolError, match="rank 0 would be restored from"):
+        check_plan(twice, TOPO_DP4)
+    bad_source = RecoveryPlan(good.membership, good.iteration, good.replaced,
+                              good.local_restores,
+                              (*good.transfers[:1], Transfer("replica", 0, 0, 0, 5)))  # fmt: skip
+    with pytest.raises(DeadpoolError, match="reads from failed rank 0"):
+        check_plan(bad_source, TOPO_DP4)
