@@ -52,7 +52,6 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig, state: TrainState, world_size: int, on_gpu: bool):
         self.cfg = cfg
-        self.state = state
         self.on_gpu = on_gpu
         self.dp_size = data_parallel_size(cfg, world_size)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -66,9 +65,14 @@ class Trainer:
         self.fire = _no_fault  # fault injection: fire(iteration, phase)
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
         self.metrics = MetricsWriter(cfg.logging.metrics_jsonl if self.is_logging_rank else None)
+        self.attach(state)
+
+    def attach(self, state: TrainState) -> None:
+        """Train `state` from now on (a rebuilt model after a recovery, too)."""
+        self.state = state
         tcfg = state.transformer_config
         tcfg.finalize_model_grads_func = finalize_model_grads
-        if t.fp16:
+        if self.cfg.training.fp16:
             tcfg.grad_scale_func = state.optimizer.scale_loss
         self._fwd_bwd = get_forward_backward_func()
 
