@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
+from .runtime import ENV_SPARES
 
 
 def knob(default: Any, help: str, *, choices: tuple | None = None, nargs: str | None = None):
@@ -455,7 +456,7 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
             f"--deadpool-chaos-mtbf={dpc.deadpool_chaos_mtbf} must be a positive number of seconds",
         )
     if dpc.deadpool_inject:
-        spares = os.environ.get("DEADPOOL_SPARES")
+        spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
         parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
                      spares=int(spares) if spares is not None else None)  # fmt: skip
     if not dpc.deadpool:
