@@ -278,6 +278,7 @@ class Launcher:
         spare_kills = list(self.settings.spare_kills())
         chaos = Chaos(self.settings, workers, self.kv, self.job_id, self.events)
         membership_written = self.args.node_rank != 0 or not self.settings.deadpool
+        next_membership_check = 0.0
         while True:
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
@@ -289,7 +290,8 @@ class Launcher:
                 return self.on_failure(detection, workers)
             self._watch_spares(spares, spare_kills)
             chaos.step(self.monitor.iteration)
-            if not membership_written:
+            if not membership_written and time.monotonic() >= next_membership_check:
+                next_membership_check = time.monotonic() + 0.25  # store reads, not every poll
                 membership_written = self._write_membership(spares)
             if all(c.proc.poll() == 0 for c in workers.values()):
                 return self.finish(spares)
