@@ -74,6 +74,7 @@ class RingReplicator:
         self._stop = False
         self._corrupt_next: set[int] = set()
         self.before_send = None  # fault injection: called with the iteration about to be sent
+        self.on_error = None  # called (from this thread) with the error that stopped it
         self._thread = threading.Thread(target=self._run, name="deadpool-replicate", daemon=True)
         self._thread.start()
 
@@ -144,6 +145,8 @@ class RingReplicator:
         except Exception as err:  # the job's failure handling takes it from here
             self.errors.append(str(err))
             log.error("replication stopped: %s", err)
+            if self.on_error is not None:
+                self.on_error(err)
 
     def _post_sends(self, slot: Slot | None, stop: bool) -> list:
         flags = (FLAG_DATA if slot is not None else 0) | (FLAG_STOP if stop else 0)

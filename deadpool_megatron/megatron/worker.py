@@ -90,7 +90,9 @@ class WorkerControl:
         self.injector = FaultInjector(faults, env.rank, self._injected)
         trainer.fire = self.injector.fire
         if trainer.pipeline is not None:
-            trainer.pipeline.replicator.before_send = lambda it: self.injector.fire(it, "replicate")
+            replicator = trainer.pipeline.replicator
+            replicator.before_send = lambda it: self.injector.fire(it, "replicate")
+            replicator.on_error = self._report  # the training thread may never notice
 
     def _injected(self, fault, at: float) -> None:
         self.client.report_injection(fault, at)
@@ -101,13 +103,16 @@ class WorkerControl:
         if self.cfg.deadpool.deadpool:  # after the first iteration: warm-up is over
             self.client.start_heartbeats(self.cfg.deadpool.deadpool_heartbeat_interval)
 
-    def failed(self, err: Exception) -> int:
-        """Report what this process saw, stay alive and healthy, and let the launcher decide
-        (until hot-swap recovery exists, it ends the job)."""
+    def _report(self, err: BaseException) -> None:
         from ..failure.injector import InjectedFault
 
         kind = "injected_transient" if isinstance(err, InjectedFault) else "collective_error"
         self.client.report_failure(kind, f"{type(err).__name__}: {err}")
+
+    def failed(self, err: Exception) -> int:
+        """Report what this process saw, stay alive and healthy, and let the launcher decide
+        (until hot-swap recovery exists, it ends the job)."""
+        self._report(err)
         log.error("training failed: %s: %s; reported to the launcher", type(err).__name__, err)
         time.sleep(self.cfg.deadpool.deadpool_heartbeat_timeout + 30.0)
         return 1

@@ -59,8 +59,11 @@ def test_hang_is_detected_within_timeout_plus_one_second_and_fenced(tmp_path):
     assert injected["fault"] == "hang@2:6:backward"
 
 
-def test_raise_is_classified_transient(tmp_path):
-    result, events = _inject(tmp_path, "raise@1:4:optimizer")
+@pytest.mark.parametrize("phase", ["optimizer", "replicate"])
+def test_raise_is_classified_transient(tmp_path, phase):
+    # In the replicate phase the error is raised in the replication thread, which the
+    # training thread never sees: the thread reports it itself.
+    result, events = _inject(tmp_path, f"raise@1:4:{phase}")
     assert result.returncode == 1
     detected = _only(events, "failure_detected")
     assert detected["rank"] == 1 and detected["kind"] == "transient"
