@@ -113,13 +113,13 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
         "checksum_ms": [x * 1000 for x in pipeline.snapshotter.commit_s],
         "replicate_ms": [x * 1000 for x in pipeline.replicator.stats.send_s],
         "thread_cpu_ms": [
-            x * 1000 for x in pipeline.snapshotter.cpu_s + pipeline.replicator.stats.cpu_s
+            x * 1000 for x in [*pipeline.snapshotter.cpu_s, *pipeline.replicator.stats.cpu_s]
         ],
         "snapshot_bytes": pipeline.state.layout.total_nbytes,
         "replica_bytes": pipeline.state.layout.optimizer_nbytes
         * len(pipeline.replicator.successors),
         "lag_max": pipeline.stats.lag_max,
-        "lag": pipeline.stats.lag_by_iteration,
+        "lag": dict(pipeline.stats.lag_history),
         "rejected": pipeline.replicator.stats.rejected,
         "samples": samples,
     }

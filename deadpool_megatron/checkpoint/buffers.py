@@ -16,6 +16,9 @@ import xxhash
 
 from ..errors import DeadpoolError
 
+# Per-iteration timings are kept for the latest SAMPLES iterations only: a job runs for months.
+SAMPLES = 1000
+
 
 def checksum(buffer: torch.Tensor, meta: bytes = b"") -> int:
     """xxh3-64 over the bytes of a contiguous CPU uint8 buffer, then the metadata."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import psutil
@@ -17,6 +18,7 @@ import torch
 
 from ..errors import ConfigError
 from ..megatron.shard import RankState, view_of
+from .buffers import SAMPLES
 from .replicator import RingReplicator
 from .snapshot import Snapshotter
 from .transport import Transport
@@ -31,8 +33,8 @@ class PipelineStats:
     snapshots: int = 0
     lag_max: int = 0
     lag_last: int = 0
-    lag_by_iteration: dict[int, int] = field(default_factory=dict)
-    start_ms: list[float] = field(default_factory=list)
+    # (iteration, lag) for the latest SAMPLES snapshots
+    lag_history: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
 
 
 def check_host_memory(needed_per_rank: int, local_ranks: int) -> None:
@@ -129,7 +131,7 @@ class ProtectionPipeline:
                 behind = max(0, self._previous - min(replicated))
                 self.stats.lag_last = -(-behind // self.interval)
                 self.stats.lag_max = max(self.stats.lag_max, self.stats.lag_last)
-                self.stats.lag_by_iteration[iteration] = self.stats.lag_last
+                self.stats.lag_history.append((iteration, self.stats.lag_last))
                 if self.stats.lag_last > 1:
                     log.warning(
                         "replica lag %d at iteration %d: the ring has not replicated snapshot "
@@ -137,10 +139,8 @@ class ProtectionPipeline:
                         self.stats.lag_last, iteration, self._previous, min(replicated),
                     )  # fmt: skip
         self._previous = iteration
-        start = time.perf_counter()
         meta = self.state.capture_metadata(iteration, self.metadata)
         self.snapshotter.start(iteration, meta)
-        self.stats.start_ms.append((time.perf_counter() - start) * 1000.0)
         self.stats.snapshots += 1
 
     def committed_iteration(self) -> int:

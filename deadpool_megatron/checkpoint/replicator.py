@@ -18,12 +18,12 @@ import logging
 import struct
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
-from .buffers import CorruptCopy, Slot, SlotPair
+from .buffers import SAMPLES, CorruptCopy, Slot, SlotPair, checksum
 from .transport import Transport
 
 log = logging.getLogger("deadpool.replicate")
@@ -33,21 +33,15 @@ FLAG_DATA = 1
 FLAG_STOP = 2
 
 
-def _payload_checksum(payload: torch.Tensor, meta: bytes) -> int:
-    h = xxhash.xxh3_64()
-    h.update(memoryview(payload.numpy()))
-    h.update(meta)
-    return h.intdigest()
-
-
 @dataclass
 class ReplicationStats:
     sent: int = 0
     received: int = 0
     rejected: int = 0
     bytes_sent: int = 0
-    send_s: list[float] = field(default_factory=list)  # per replica: posting to all sent
-    cpu_s: list[float] = field(default_factory=list)  # per round: this thread's CPU time
+    # The latest SAMPLES timings only: a job runs for months.
+    send_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))  # posting to all sent
+    cpu_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))  # this thread's CPU
 
 
 class RingReplicator:
@@ -155,7 +149,7 @@ class RingReplicator:
             tensors = [_bytes_tensor(header)]
         else:
             payload = slot.buffer[: self.payload_nbytes]
-            digest = _payload_checksum(payload, slot.meta)
+            digest = checksum(payload, slot.meta)
             header = HEADER.pack(flags, slot.iteration, len(slot.meta), self.payload_nbytes, digest)
             tensors = [_bytes_tensor(header), _bytes_tensor(slot.meta), payload]
         works = []

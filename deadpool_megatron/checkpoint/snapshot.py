@@ -15,11 +15,12 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
-from .buffers import Slot, SlotPair
+from .buffers import SAMPLES, Slot, SlotPair
 
 log = logging.getLogger("deadpool.snapshot")
 
@@ -43,9 +44,9 @@ class Snapshotter:
         self._copy_done = threading.Event()
         self._copy_done.set()
         self._event = None
-        self.copy_s: list[float] = []  # per snapshot: device-to-host copy
-        self.commit_s: list[float] = []  # per snapshot: checksum + commit
-        self.cpu_s: list[float] = []  # per snapshot: CPU time this thread spent on it
+        self.copy_s: deque = deque(maxlen=SAMPLES)  # per snapshot: device-to-host copy
+        self.commit_s: deque = deque(maxlen=SAMPLES)  # per snapshot: checksum + commit
+        self.cpu_s: deque = deque(maxlen=SAMPLES)  # per snapshot: this thread's CPU time
         self.errors: list[str] = []
         self._thread = threading.Thread(target=self._run, name="deadpool-snapshot", daemon=True)
         self._thread.start()

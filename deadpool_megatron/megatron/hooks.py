@@ -26,7 +26,7 @@ def build_pipeline(
     world = dist.get_world_size()
     rank = dist.get_rank()
     topo = Topology(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
-    group = parallel.ring_group(world, topo.tp, topo.pp)
+    group = parallel.ring_group(topo)
     k = cfg.deadpool.deadpool_replicas
     coords = topo.coords(rank)
     rank_state = RankState(state.model, state.optimizer, state.scheduler)

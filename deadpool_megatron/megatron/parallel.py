@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from ..config import JobConfig
+from ..topology import Topology
 from . import cpu_backend
 
 log = logging.getLogger(__name__)
@@ -92,18 +93,15 @@ def coordinates() -> tuple[int, int, int]:
     )
 
 
-def ring_group(world_size: int, tp: int, pp: int) -> dist.ProcessGroup:
+def ring_group(topo: Topology) -> dist.ProcessGroup:
     """A gloo group over this rank's DP ring, owned by the replication thread alone.
 
     Every rank creates every DP ring's group, in the same order, from the main thread (group
     creation is collective), and keeps its own; megatron's own gloo DP group is not reused
     because a group must never be shared between threads.
     """
-    from ..topology import Topology
-
-    topo = Topology(world_size, tp, pp)
     mine = None
-    for rank in range(world_size):
+    for rank in range(topo.world_size):
         ring = topo.dp_group(rank)
         if ring[0] != rank:
             continue
