@@ -34,7 +34,7 @@ from .control.tcp_store import TcpKVStore
 from .errors import ConfigError
 from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, SPARE_LOST, EventLog
 from .failure.classify import describe
-from .failure.evidence import HeartbeatStale, ProcessExited
+from .failure.evidence import HeartbeatStale, ProcessExited, describe_exit
 from .failure.inject import parse_faults
 from .logging_setup import setup_logging
 from .runtime import (
@@ -144,15 +144,6 @@ class Child:
     @property
     def label(self) -> str:
         return f"{self.role} {self.index}"
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"was killed by signal {-returncode}"
-    return f"exited with status {returncode}"
 
 
 class Launcher:

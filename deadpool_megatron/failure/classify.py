@@ -29,7 +29,6 @@ classifies what evidence is left about other ranks.
 from __future__ import annotations
 
 import enum
-import signal
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from .evidence import (
     HealthCheckFailed,
     HeartbeatStale,
     ProcessExited,
+    describe_exit,
     is_peer_loss_message,
 )
 
@@ -102,14 +102,7 @@ def describe(e: Evidence) -> str:
     """One line naming the evidence kind, for the reason and the event log."""
     name = type(e).__name__
     if isinstance(e, ProcessExited):
-        if e.returncode < 0:
-            try:
-                how = f"was killed by signal {signal.Signals(-e.returncode).name}"
-            except ValueError:
-                how = f"was killed by signal {-e.returncode}"
-        else:
-            how = f"exited with status {e.returncode}"
-        return f"{name}: rank {e.rank} {how}"
+        return f"{name}: rank {e.rank} {describe_exit(e.returncode)}"
     if isinstance(e, HeartbeatStale):
         seen = "never beat" if e.last_seen is None else f"last beat {e.at - e.last_seen:.2f} s ago"
         return f"{name}: rank {e.rank} {seen}"

@@ -8,6 +8,7 @@ event log can measure detection latency from an injection or exit time.
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 
 
@@ -90,3 +91,12 @@ _PEER_LOSS = re.compile(
 def is_peer_loss_message(message: str) -> bool:
     """Whether a collective's error message says a peer went away (rather than a local fault)."""
     return bool(_PEER_LOSS.search(message))
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from deadpool_megatron.launch import describe_exit
+from deadpool_megatron.failure.evidence import describe_exit
 from jobs import ROOT, launch_cmd
 
 
