@@ -22,6 +22,9 @@ SPARE_CLAIMED = "spare_claimed"
 SPARE_LOST = "spare_lost"
 FAULT_INJECTED = "fault_injected"
 JOB_ENDED = "job_ended"
+RECOVERY_STARTED = "recovery_started"
+RECOVERY_PHASE = "recovery_phase"  # one per phase, with duration_s
+RECOVERY_DONE = "recovery_done"  # total_s: failure to the first resumed iteration finished
 
 
 class EventLog:

@@ -37,6 +37,8 @@ from .failure.classify import describe
 from .failure.evidence import HeartbeatStale, ProcessExited, describe_exit
 from .failure.inject import parse_faults
 from .logging_setup import setup_logging
+from .recovery.coordinator import Coordinator
+from .recovery.plan import Unrecoverable
 from .runtime import (
     ENV_JOB_ID,
     ENV_PREFLIGHT,
@@ -52,6 +54,7 @@ from .topology import Topology
 log = logging.getLogger("deadpool.launch")
 
 TERMINATE_GRACE_S = 5.0
+RECOVERY_TIMEOUT_S = 300.0
 POLL_S = 0.02
 
 
@@ -112,6 +115,7 @@ class ControlSettings:
     chaos_seed: int = 0
     tp: int = 1
     pp: int = 1
+    replicas: int = 1
 
     @classmethod
     def from_preflight(cls, d: dict) -> ControlSettings:
@@ -127,6 +131,7 @@ class ControlSettings:
             chaos_seed=int(d.get("deadpool_chaos_seed", 0)),
             tp=int(d.get("tensor_model_parallel_size", 1)),
             pp=int(d.get("pipeline_model_parallel_size", 1)),
+            replicas=int(d.get("deadpool_replicas", 1)),
         )
 
     def spare_kills(self):
@@ -160,6 +165,7 @@ class Launcher:
         self.events = EventLog(None)
         self.kv = None
         self.monitor: Monitor | None = None
+        self.coordinator: Coordinator | None = None
 
     # -- start-up ---------------------------------------------------------------------------
     def preflight(self) -> int:
@@ -267,6 +273,10 @@ class Launcher:
             watch_heartbeats=self.settings.deadpool,
         )  # fmt: skip
         spare_kills = list(self.settings.spare_kills())
+        topo = Topology(self.world_size, self.settings.tp, self.settings.pp)
+        self.coordinator = Coordinator(
+            self.kv, self.job_id, topo, self.settings.replicas, self.events
+        )
         chaos = Chaos(self.settings, workers, self.kv, self.job_id, self.events)
         membership_written = self.args.node_rank != 0 or not self.settings.deadpool
         next_membership_check = 0.0
@@ -278,7 +288,22 @@ class Launcher:
                 return 128 + self._stop_signal
             detection = self.monitor.poll()
             if detection is not None:
-                return self.on_failure(detection, workers)
+                if not self.settings.deadpool or not membership_written:
+                    return self.on_failure(detection, workers)
+                rc = self.hot_swap(detection, workers, spares)
+                if rc is not None:
+                    return rc
+            if self.coordinator.pending is not None:
+                self.coordinator.poll_done()
+                if self.coordinator.pending is not None and (
+                    time.time() - self.coordinator.pending.ordered_at > RECOVERY_TIMEOUT_S
+                ):
+                    log.error("recovery into generation %d did not finish within %.0f s; "
+                              "ending the job", self.coordinator.pending.generation,
+                              RECOVERY_TIMEOUT_S)  # fmt: skip
+                    self.terminate(signal.SIGTERM)
+                    self.events.emit(JOB_ENDED, status=1, reason="recovery timed out")
+                    return 1
             self._watch_spares(spares, spare_kills)
             chaos.step(self.monitor.iteration)
             if not membership_written and time.monotonic() >= next_membership_check:
@@ -325,16 +350,18 @@ class Launcher:
         log.info("generation 0: %d ranks and %d spare(s) recorded", len(members), len(ids))
         return True
 
-    def on_failure(self, detection: Detection, workers: dict[int, Child]) -> int:
-        """Log the classified failure, fence a hung process, and (until hot-swap recovery
-        exists) end the job."""
+    def _fence(self, child: Child, rank: int, reason: str) -> None:
+        """Kill a process that must not come back (hung, or failing too often) before anything
+        is rebuilt: a hung gloo collective cannot be aborted, its peers fail once it is gone."""
+        if child.proc.poll() is None:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+            self.events.emit(FENCED, rank=rank, pid=child.proc.pid, reason=reason)
+            log.warning("fenced rank %d (pid %d): %s", rank, child.proc.pid, reason)
+        self.monitor.forget(rank)
+
+    def _log_detection(self, detection: Detection) -> None:
         c = detection.classification
-        child = workers[c.rank]
-        if isinstance(c.evidence, HeartbeatStale) and child.proc.poll() is None:
-            os.killpg(child.proc.pid, signal.SIGKILL)  # a hung gloo collective can't be aborted
-            self.monitor.forget(c.rank)
-            self.events.emit(FENCED, rank=c.rank, pid=child.proc.pid, reason=describe(c.evidence))
-            log.warning("fenced rank %d (pid %d): %s", c.rank, child.proc.pid, describe(c.evidence))
         latency = detection.latency_s
         self.events.emit(
             FAILURE_DETECTED, rank=c.rank, kind=c.kind.value, evidence=type(c.evidence).__name__,
@@ -345,16 +372,69 @@ class Launcher:
             c.rank, c.kind.value, c.reason,
             "" if latency is None else f" (detected {latency:.3f} s after the injection)",
         )  # fmt: skip
+
+    def on_failure(self, detection: Detection, workers: dict[int, Child]) -> int:
+        """Without --deadpool (or before the job is up): log the classified failure, fence a
+        hung process, and end the job."""
+        c = detection.classification
+        child = workers[c.rank]
+        if isinstance(c.evidence, HeartbeatStale):
+            self._fence(child, c.rank, describe(c.evidence))
+        self._log_detection(detection)
         if isinstance(c.evidence, ProcessExited):
             log.error(
                 "worker rank %d (pid %d) %s; ending the job",
                 c.rank, child.proc.pid, describe_exit(c.evidence.returncode),
             )  # fmt: skip
         else:
-            log.error("rank %d cannot be recovered in place yet; ending the job", c.rank)
+            log.error("rank %d failed and the job has no --deadpool protection; ending it", c.rank)
         self.terminate(signal.SIGTERM)
         self.events.emit(JOB_ENDED, status=1, reason=f"failure of rank {c.rank}")
         return 1
+
+    def hot_swap(
+        self, detection: Detection, workers: dict[int, Child], spares: list[Child]
+    ) -> int | None:
+        """Recover from a classified failure without restarting the job: fence, order every
+        process to stop, plan from what they hold, seat spares, publish the new generation.
+        Returns an exit status only when the job cannot go on."""
+        c = detection.classification
+        child = workers[c.rank]
+        permanent = set() if c.kind.value == "transient" else {c.rank}
+        fence_s = 0.0
+        if permanent:
+            t = time.time()
+            self._fence(child, c.rank, describe(c.evidence))  # no-op if it exited
+            fence_s = time.time() - t
+        self._log_detection(detection)
+        generation = self.coordinator.membership.current().generation + 1
+        failed_at = detection.injected_at or c.evidence.at
+        rec = self.coordinator.order(generation, permanent, c.reason, failed_at)
+        rec.phases["detect"] = detection.detected_at - failed_at
+        rec.phases["fence"] = fence_s
+        if not permanent:
+            self.monitor.history = self.monitor.history.record(c.rank, c.evidence.at)
+        held = self.coordinator.gather(
+            rec,
+            alive=lambda r: workers[r].proc.poll() is None,
+            on_lost=lambda r: self._fence(workers[r], r, "lost during the recovery"),
+        )
+        free = [s for s in spares if s.proc.poll() is None]
+        try:
+            plan = self.coordinator.decide(rec, held, [f"spare-{s.index}" for s in free])
+        except Unrecoverable as err:
+            log.error("cannot recover from the failure of rank(s) %s: %s; ending the job",
+                      sorted(rec.permanent) or [c.rank], err)  # fmt: skip
+            self.events.emit(JOB_ENDED, status=1, reason=f"unrecoverable: {err}")
+            self.terminate(signal.SIGTERM)
+            return 1
+        for rank, spare_id in plan.replaced.items():
+            spare = next(s for s in free if f"spare-{s.index}" == spare_id)
+            spares.remove(spare)
+            workers[rank] = spare
+            log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid, rank)
+        self.monitor.advance(generation)
+        return None
 
     def finish(self, spares: list[Child]) -> int:
         """Every local worker succeeded: tell the spares once every node is done."""

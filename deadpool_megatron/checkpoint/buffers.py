@@ -66,6 +66,18 @@ class SlotPair:
             done = [s for s in self.slots if s.committed]
             return max(done, key=lambda s: s.iteration) if done else None
 
+    def find(self, iteration: int | None = None) -> Slot | None:
+        """The committed slot holding `iteration` (None: the newest), if any."""
+        if iteration is None:
+            return self.committed()
+        with self.lock:
+            return next((s for s in self.slots if s.committed and s.iteration == iteration), None)
+
+    def iterations(self) -> list[int]:
+        """Every committed iteration this pair holds (one or two)."""
+        with self.lock:
+            return sorted(s.iteration for s in self.slots if s.committed)
+
     def acquire_for_write(self) -> Slot:
         """The slot that is not busy and not the newest committed one (if both are free:
         the older). Blocks while the other is busy, which a sender never holds for long."""

@@ -168,6 +168,19 @@ class ProtectionPipeline:
         for hook in self._hooks:
             hook.remove()
 
+    def abort(self, timeout: float = 10.0) -> None:
+        """Stop after a failure, keeping every committed snapshot and replica for the recovery.
+        The snapshot in flight is local, so it is finished (a transient rank rolls back to
+        it); the replication thread is stopped without its peers."""
+        try:
+            self.snapshotter.wait_committed(timeout)
+        finally:
+            if not self.replicator.abort(timeout):
+                log.warning("the replication thread did not stop within %.0f s", timeout)
+            self.snapshotter.close()
+            for hook in self._hooks:
+                hook.remove()
+
     @property
     def errors(self) -> list[str]:
         return self.snapshotter.errors + self.replicator.errors

@@ -66,6 +66,7 @@ class RingReplicator:
         self.errors: list[str] = []
         self._cond = threading.Condition()
         self._stop = False
+        self._aborted = False
         self._corrupt_next: set[int] = set()
         self.before_send = None  # fault injection: called with the iteration about to be sent
         self.on_error = None  # called (from this thread) with the error that stopped it
@@ -99,6 +100,16 @@ class RingReplicator:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError("the replication thread did not finish its last round")
+
+    def abort(self, timeout: float = 10.0) -> bool:
+        """Stop without agreement (a failure: a peer may be gone). The caller has broken the
+        group's connections, so a pending send or receive raises; True if the thread ended.
+        Committed replicas stay: a recovery serves them."""
+        with self._cond:
+            self._stop = self._aborted = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # -- the thread -------------------------------------------------------------------------
     def _next_to_send(self, last_sent: int) -> tuple[Slot | None, bool]:
@@ -137,6 +148,8 @@ class RingReplicator:
                     self.snapshots.release(held)
                 self.stats.cpu_s.append(time.thread_time() - cpu)
         except Exception as err:  # the job's failure handling takes it from here
+            if self._aborted:
+                return  # the error is the abort's doing
             self.errors.append(str(err))
             log.error("replication stopped: %s", err)
             if self.on_error is not None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..errors import DeadpoolError
 from ..megatron.shard import RankState
-from .buffers import Slot, checksum
+from .buffers import Slot, SlotPair, checksum
 
 _HEADER = struct.Struct("<qqQ")  # iteration, meta length, checksum
 
@@ -51,13 +51,19 @@ def send_part(data: torch.Tensor, meta: bytes, iteration: int, dst: int, group=N
     dist.send(data.contiguous(), dst, group=group)
 
 
-def send_replica(replicator, owner: int, dst: int, group=None) -> int:
-    """Serve the committed replica of `owner`'s shard to `dst`, holding it meanwhile so the
-    replication thread cannot overwrite it; returns the iteration sent."""
-    pair = replicator.replicas[owner]
-    slot = pair.committed()
+def send_replica(
+    replicas: dict[int, SlotPair], owner: int, dst: int, group=None, iteration: int | None = None
+) -> int:
+    """Serve the committed replica of `owner`'s shard (of `iteration`, default the newest) to
+    `dst`, holding it meanwhile so the replication thread cannot overwrite it; returns the
+    iteration sent."""
+    pair = replicas[owner]
+    slot = pair.find(iteration)
     if slot is None:
-        raise DeadpoolError(f"this rank holds no committed replica of rank {owner}'s shard")
+        raise DeadpoolError(
+            f"this rank holds no committed replica of rank {owner}'s shard"
+            + ("" if iteration is None else f" at iteration {iteration} (has {pair.iterations()})")
+        )
     pair.hold(slot)
     try:
         send_part(slot.buffer, slot.meta, slot.iteration, dst, group)
@@ -66,12 +72,18 @@ def send_replica(replicator, owner: int, dst: int, group=None) -> int:
     return slot.iteration
 
 
-def send_parameters(snapshots, optimizer_nbytes: int, dst: int, group=None) -> int:
-    """Serve the parameter part of this rank's committed snapshot to `dst` (a DP peer with
-    the same TP/PP coordinates needs exactly these bytes); returns the iteration sent."""
-    slot = snapshots.committed()
+def send_parameters(
+    snapshots: SlotPair, optimizer_nbytes: int, dst: int, group=None, iteration: int | None = None
+) -> int:
+    """Serve the parameter part of this rank's committed snapshot (of `iteration`, default the
+    newest) to `dst` (a DP peer with the same TP/PP coordinates needs exactly these bytes);
+    returns the iteration sent."""
+    slot = snapshots.find(iteration)
     if slot is None:
-        raise DeadpoolError("this rank has no committed snapshot to serve parameters from")
+        raise DeadpoolError(
+            "this rank has no committed snapshot to serve parameters from"
+            + ("" if iteration is None else f" at iteration {iteration}")
+        )
     snapshots.hold(slot)
     try:
         send_part(slot.buffer[optimizer_nbytes:], b"", slot.iteration, dst, group)

@@ -38,18 +38,28 @@ class ControlClient:
         )  # fmt: skip
         self._sender: HeartbeatSender | None = None
         self.iteration = 0
+        # Ports of the control plane's connections (never cut when communicators are aborted).
+        self.kv_ports = {env.master_port}
+        if settings.deadpool_store == "etcd":
+            from urllib.parse import urlsplit
+
+            from .etcd_store import parse_endpoints
+
+            urls = parse_endpoints(settings.deadpool_etcd_endpoints or "")
+            self.kv_ports |= {urlsplit(u).port or 2379 for u in urls}
 
     # -- heartbeats -------------------------------------------------------------------------
     def start_heartbeats(self, interval_s: float, key: str | None = None) -> None:
         """Begin beating (after warm-up: imports and the first iteration starve threads)."""
         if self._sender is not None:
             return
-        key = key or keys.heartbeat(self.job, self.generation, self.env.rank)
         pid = os.getpid()
 
         def publish(now: float) -> None:
             beat = {"t": time.time(), "iteration": self.iteration, "pid": pid}
-            self.kv.set(key, json.dumps(beat).encode())
+            # A recovery moves the process to a new generation (and a spare to a rank).
+            where = key or keys.heartbeat(self.job, self.generation, self.env.rank)
+            self.kv.set(where, json.dumps(beat).encode())
 
         self._sender = HeartbeatSender(publish, interval_s)
         self._sender.start()
@@ -78,6 +88,13 @@ class ControlClient:
         """Tell the launcher which process holds this rank (for the membership view)."""
         key = keys.registration(self.job, self.generation, self.env.rank)
         self.kv.set(key, f"{socket.gethostname()}:{os.getpid()}".encode())
+
+    def claim_fault(self, fault: Fault) -> bool:
+        """True for the first process of the job to fire `fault`, False for any later one."""
+        ok, _ = self.kv.compare_and_swap(
+            keys.fault_fired(self.job, str(fault)), None, str(os.getpid()).encode()
+        )
+        return ok
 
     def register_spare(self, index: int) -> None:
         self.kv.set(keys.spare(self.job, index), str(os.getpid()).encode())

@@ -76,3 +76,41 @@ def spare_heartbeat(job: str, spare_id: str | int) -> str:
 def registration(job: str, generation: int, rank: int) -> str:
     """The process (host:pid) that holds `rank` in `generation`, written by itself."""
     return f"{_job(job)}/gen/{generation}/registration/{rank}"
+
+
+def recovery_order(job: str, generation: int) -> str:
+    """The launcher's order to stop and recover into `generation` (JSON: failed ranks, why).
+    Every process of the job watches for the next generation's order."""
+    return f"{_job(job)}/gen/{generation}/order"
+
+
+def holdings(job: str, generation: int, rank: int) -> str:
+    """What a live rank holds for the recovery into `generation`: committed snapshot
+    iterations, verified replicas, and the iteration it had completed."""
+    return f"{_job(job)}/gen/{generation}/holdings/{rank}"
+
+
+def recovery_plan(job: str, generation: int) -> str:
+    """The plan of the recovery into `generation` (or why it cannot be done)."""
+    return f"{_job(job)}/gen/{generation}/plan"
+
+
+def assignment(job: str, spare_id: str) -> str:
+    """The rank and generation a claimed spare takes over (written after the claim)."""
+    return f"{_job(job)}/spare/{spare_id}/assignment"
+
+
+def arrived(job: str, generation: int, rank: int) -> str:
+    """A process is ready to build `generation`'s communicators (rendezvous barrier)."""
+    return f"{_job(job)}/gen/{generation}/arrived/{rank}"
+
+
+def recovered(job: str, generation: int, rank: int) -> str:
+    """A rank finished its first iteration in `generation` (JSON: phase durations)."""
+    return f"{_job(job)}/gen/{generation}/recovered/{rank}"
+
+
+def fault_fired(job: str, fault: str) -> str:
+    """An injected fault has fired: each fires once per job, not once per process (a spare
+    replaying the failed rank's iteration must not fail again)."""
+    return f"{_job(job)}/fault/{fault}"

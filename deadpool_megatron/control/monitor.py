@@ -141,6 +141,15 @@ class Monitor:
         raw = self.kv.get(keys.injected(self.job, self.generation, rank))
         return json.loads(raw)["at"] if raw is not None else None
 
+    def advance(self, generation: int) -> None:
+        """Watch `generation` from now on (after a recovery): its heartbeats and reports.
+        The failure history stays, so a rank that keeps failing transiently is escalated."""
+        self.generation = generation
+        self._reports.clear()
+        self._last_beat.clear()
+        for rank in self.ranks:
+            self.detector.forget(rank)
+
     def forget(self, rank: int) -> None:
         """Stop watching a rank (fenced or ended)."""
         self.detector.forget(rank)

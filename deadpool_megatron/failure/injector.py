@@ -27,11 +27,18 @@ class InjectedFault(DeadpoolError):
 
 class FaultInjector:
     def __init__(
-        self, faults: tuple[Fault, ...], rank: int, report: Callable[[Fault, float], None]
+        self,
+        faults: tuple[Fault, ...],
+        rank: int,
+        report: Callable[[Fault, float], None],
+        claim: Callable[[Fault], bool] | None = None,
     ):
         self.faults = tuple(f for f in faults if not f.on_spare and f.target == rank)
         self.rank = rank
         self._report = report
+        # Once per job, not per process: the spare that takes this rank over replays the
+        # failed iteration and must not fail again (the launcher's store arbitrates).
+        self._claim = claim
         self._fired: set[Fault] = set()
 
     def fire(self, iteration: int, phase: str) -> None:
@@ -40,6 +47,8 @@ class FaultInjector:
             if fault in self._fired:  # a re-executed iteration does not fail again
                 continue
             self._fired.add(fault)
+            if self._claim is not None and not self._claim(fault):
+                continue
             at = time.time()
             self._report(fault, at)
             log.warning("injecting %s", fault)

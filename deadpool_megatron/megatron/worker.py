@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 from ..config import JobConfig
 from ..events import FAULT_INJECTED, EventLog
+from ..recovery.hotswap import RecoveryFailed
 from ..runtime import ProcessEnv
 from . import checkpointing, parallel
 from .model import build_train_state
@@ -30,38 +32,60 @@ def open_store(env: ProcessEnv) -> dist.Store:
     return parallel.connect_store(env.master_addr, env.master_port, env.world_size)
 
 
-def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
+def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
+    """Train as `env.rank`. `takeover` (a spare's ControlClient and the generation it joins)
+    makes this a claimed spare taking over a failed rank in a running job."""
     start = time.perf_counter()
     store = open_store(env)
-    on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store)
-    tp, pp, dp = parallel.coordinates()
-    log.info(
-        "rank %d/%d up: tp=%d pp=%d dp=%d, backend %s",
-        env.rank, env.world_size, tp, pp, dp, "nccl" if on_gpu else "gloo (CPU)",
-    )  # fmt: skip
-    state = build_train_state(cfg, on_gpu)
-    trainer = Trainer(cfg, state, env.world_size, on_gpu)
-    if cfg.checkpoint.load:
-        trainer.iteration = checkpointing.load(cfg, state)
-    if cfg.deadpool.deadpool:
-        from .hooks import build_pipeline
+    control = _attach_control(cfg, env, store, takeover)
+    if takeover is None:
+        with control.hotswap.abort.record() if control else contextlib.nullcontext():
+            on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store)
+        tp, pp, dp = parallel.coordinates()
+        log.info(
+            "rank %d/%d up: tp=%d pp=%d dp=%d, backend %s",
+            env.rank, env.world_size, tp, pp, dp, "nccl" if on_gpu else "gloo (CPU)",
+        )  # fmt: skip
+        state = build_train_state(cfg, on_gpu)
+        trainer = Trainer(cfg, state, env.world_size, on_gpu)
+        if cfg.checkpoint.load:
+            trainer.iteration = checkpointing.load(cfg, state)
+        if cfg.deadpool.deadpool:
+            from .hooks import build_pipeline
 
-        trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
-    control = _attach_control(cfg, env, trainer)
+            with control.hotswap.abort.record() if control else contextlib.nullcontext():
+                trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
+    else:
+        _, generation = takeover
+        trainer = control.hotswap.take_over(
+            generation, lambda state, on_gpu: Trainer(cfg, state, env.world_size, on_gpu)
+        )
+    if control is not None:
+        control.wire(trainer)
     log.info(
         "ready to train %.1f s after process start (set-up %.1f s), from iteration %d",
         time.time() - psutil.Process().create_time(), time.perf_counter() - start,
         trainer.iteration,
     )  # fmt: skip
-    try:
-        trainer.train(on_iteration=control.on_iteration if control else None)
-    except Exception as err:
-        if control is None:
-            raise
-        return control.failed(err)
+    while True:
+        try:
+            trainer.train(on_iteration=control.on_iteration if control else None)
+            break
+        except Exception as err:
+            if control is None:
+                raise
+            if not cfg.deadpool.deadpool:
+                return control.failed(err)
+            try:
+                control.hotswap.recover(trainer, err)
+            except RecoveryFailed as lost:
+                log.error("cannot recover: %s", lost)
+                control.close()
+                return 1
+            control.wire(trainer)
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
-        checkpointing.save(cfg, state, trainer.iteration)
+        checkpointing.save(cfg, trainer.state, trainer.iteration)
     if trainer.pipeline is not None:
         trainer.pipeline.close()
         log.info("protection: %s", trainer.protection_summary())
@@ -75,24 +99,40 @@ def run_worker(cfg: JobConfig, env: ProcessEnv) -> int:
 
 
 class WorkerControl:
-    """Heartbeats after warm-up, fault injection, and reporting a caught failure."""
+    """Heartbeats after warm-up, fault injection, reporting a caught failure, and this
+    process's part in hot-swap recoveries."""
 
-    def __init__(self, cfg: JobConfig, env: ProcessEnv, trainer: Trainer):
+    def __init__(self, cfg: JobConfig, env: ProcessEnv, store: dist.Store, client=None):
         from ..control.client import ControlClient
         from ..failure.inject import parse_faults
         from ..failure.injector import FaultInjector
+        from ..recovery.hotswap import HotSwap
 
         self.cfg = cfg
-        self.client = ControlClient(env, cfg.deadpool)
-        self.client.register_worker()
+        self.client = client or ControlClient(env, cfg.deadpool)
+        if client is None:
+            self.client.register_worker()
+        else:
+            self.client.stop_heartbeats()  # a spare's beats: it beats as its rank from now on
+            self.client.env = env
         self.events = EventLog(cfg.deadpool.deadpool_event_log, rank=env.rank)
         faults = parse_faults(cfg.deadpool.deadpool_inject or "")
-        self.injector = FaultInjector(faults, env.rank, self._injected)
-        trainer.fire = self.injector.fire
+        self.injector = FaultInjector(faults, env.rank, self._injected, self.client.claim_fault)
+        self.hotswap = HotSwap(cfg, env, self.client, store, self._report, self.injector.fire)
+        if cfg.deadpool.deadpool and client is None:
+            self.hotswap.start_watching()
+
+    def wire(self, trainer: Trainer) -> None:
+        """Hook into a (new) trainer and pipeline: after start-up and after every recovery."""
+        trainer.fire = self.fire
         if trainer.pipeline is not None:
             replicator = trainer.pipeline.replicator
             replicator.before_send = lambda it: self.injector.fire(it, "replicate")
             replicator.on_error = self._report  # the training thread may never notice
+
+    def fire(self, iteration: int, phase: str) -> None:
+        self.hotswap.check()  # a recovery was ordered: stop at this phase boundary
+        self.injector.fire(iteration, phase)
 
     def _injected(self, fault, at: float) -> None:
         self.client.report_injection(fault, at)
@@ -102,16 +142,19 @@ class WorkerControl:
         self.client.iteration = trainer.iteration
         if self.cfg.deadpool.deadpool:  # after the first iteration: warm-up is over
             self.client.start_heartbeats(self.cfg.deadpool.deadpool_heartbeat_interval)
+            self.hotswap.after_iteration(trainer)
 
     def _report(self, err: BaseException) -> None:
         from ..failure.injector import InjectedFault
 
+        if self.hotswap.stopping:
+            return  # a recovery is under way: this error is its doing, not new evidence
         kind = "injected_transient" if isinstance(err, InjectedFault) else "collective_error"
         self.client.report_failure(kind, f"{type(err).__name__}: {err}")
 
     def failed(self, err: Exception) -> int:
-        """Report what this process saw, stay alive and healthy, and let the launcher decide
-        (until hot-swap recovery exists, it ends the job)."""
+        """Without --deadpool there is nothing to recover from: report what this process saw,
+        stay alive and healthy, and let the launcher end the job."""
         self._report(err)
         log.error("training failed: %s: %s; reported to the launcher", type(err).__name__, err)
         time.sleep(self.cfg.deadpool.deadpool_heartbeat_timeout + 30.0)
@@ -122,8 +165,12 @@ class WorkerControl:
         self.events.close()
 
 
-def _attach_control(cfg: JobConfig, env: ProcessEnv, trainer: Trainer) -> WorkerControl | None:
+def _attach_control(
+    cfg: JobConfig, env: ProcessEnv, store: dist.Store, takeover
+) -> WorkerControl | None:
+    if takeover is not None:
+        return WorkerControl(cfg, env, store, client=takeover[0])
     wanted = cfg.deadpool.deadpool or cfg.deadpool.deadpool_inject
     if not wanted or not env.under_launcher:
         return None
-    return WorkerControl(cfg, env, trainer)
+    return WorkerControl(cfg, env, store)

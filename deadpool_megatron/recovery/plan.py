@@ -159,3 +159,38 @@ def check_plan(plan: RecoveryPlan, topology: Topology) -> None:
                 f"rank {rank} would be restored from {got or 'nothing'}; expected its own "
                 f"snapshot, or a peer's parameters plus its ring replica"
             )
+
+
+# -- wire format: the launcher publishes plans and ranks publish holdings through the store --
+def encode_holdings(h: RankHoldings, completed: int) -> dict:
+    """`completed`: the last iteration whose optimizer step this rank finished."""
+    return {
+        "snapshots": sorted(h.snapshots),
+        "replicas": {str(o): sorted(its) for o, its in h.replicas.items()},
+        "completed": completed,
+    }
+
+
+def decode_holdings(doc: dict) -> tuple[RankHoldings, int]:
+    replicas = {int(o): frozenset(its) for o, its in doc["replicas"].items()}
+    return RankHoldings(frozenset(doc["snapshots"]), replicas), int(doc["completed"])
+
+
+def encode_plan(plan: RecoveryPlan) -> dict:
+    return {
+        "membership": plan.membership.to_json().decode(),
+        "iteration": plan.iteration,
+        "replaced": {str(r): s for r, s in plan.replaced.items()},
+        "local_restores": list(plan.local_restores),
+        "transfers": [[t.kind, t.src, t.dst, t.owner, t.iteration] for t in plan.transfers],
+    }
+
+
+def decode_plan(doc: dict) -> RecoveryPlan:
+    return RecoveryPlan(
+        membership=Membership.from_json(doc["membership"].encode()),
+        iteration=int(doc["iteration"]),
+        replaced={int(r): s for r, s in doc["replaced"].items()},
+        local_restores=tuple(doc["local_restores"]),
+        transfers=tuple(Transfer(*t) for t in doc["transfers"]),
+    )

@@ -184,7 +184,7 @@ class Checks:
                 ["replica", trainer.iteration, victim, time.perf_counter() - start]
             )
         if self.rank == successor:
-            send_replica(pipeline.replicator, victim, victim)
+            send_replica(pipeline.replicator.replicas, victim, victim)
         if self.rank == peer:
             send_parameters(pipeline.snapshotter.slots, layout.optimizer_nbytes, victim)
         self._share_restored()

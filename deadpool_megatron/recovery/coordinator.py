@@ -1,0 +1,209 @@
+"""The launcher's half of a hot-swap: order the stop, gather what every live rank holds, plan,
+claim spares, commit the new generation, publish the plan, and time the recovery.
+
+The processes carry the plan out themselves (recovery/hotswap.py); the launcher only writes
+keys and watches. A rank that dies before it reports its holdings is added to the failed
+ones of the same recovery; a failure after the plan is published (a survivor or the spare
+dying mid-rebuild) is a new failure, recovered in the next generation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..control import keys
+from ..control.membership import Membership, MembershipStore
+from ..control.store import KVStore
+from ..events import (
+    RECOVERY_DONE,
+    RECOVERY_PHASE,
+    RECOVERY_STARTED,
+    SPARE_CLAIMED,
+    EventLog,
+)
+from ..topology import Topology
+from .plan import (
+    RankHoldings,
+    RecoveryPlan,
+    Unrecoverable,
+    decode_holdings,
+    encode_plan,
+    plan_recovery,
+)
+
+log = logging.getLogger("deadpool.recovery")
+
+HOLDINGS_TIMEOUT_S = 60.0
+POLL_S = 0.01
+# Per-rank phases (the slowest rank's duration is reported), in the order they happen.
+RANK_PHASES = (
+    "rebuild_communicators",
+    "rebuild_model",
+    "transfer_state",
+    "verify",
+    "rebuild_pipeline",
+    "first_iteration",
+)
+
+
+@dataclass
+class Recovery:
+    """One recovery the launcher ordered and is waiting to see finished."""
+
+    generation: int
+    failed_at: float  # the fault's injection time if known, else when it was detected
+    permanent: set[int]
+    reason: str
+    ordered_at: float
+    phases: dict[str, float] = field(default_factory=dict)
+    plan: RecoveryPlan | None = None
+    replayed: int = 0
+
+
+class Coordinator:
+    def __init__(
+        self,
+        kv: KVStore,
+        job: str,
+        topology: Topology,
+        replicas: int,
+        events: EventLog,
+    ):
+        self.kv = kv
+        self.job = job
+        self.topology = topology
+        self.replicas = replicas
+        self.events = events
+        self.membership = MembershipStore(kv, job)
+        self.pending: Recovery | None = None  # published, not yet finished
+        self.done: list[dict] = []
+
+    def order(
+        self, generation: int, permanent: set[int], reason: str, failed_at: float
+    ) -> Recovery:
+        """Tell every process to stop and recover into `generation`."""
+        doc = {"reason": reason, "permanent": sorted(permanent)}
+        self.kv.set(keys.recovery_order(self.job, generation), json.dumps(doc).encode())
+        self.events.generation = generation
+        self.events.emit(
+            RECOVERY_STARTED, generation=generation, failed=sorted(permanent), reason=reason,
+            kind="permanent" if permanent else "transient",
+        )  # fmt: skip
+        return Recovery(generation, failed_at, set(permanent), reason, time.time())
+
+    def gather(
+        self,
+        rec: Recovery,
+        alive: Callable[[int], bool],
+        on_lost: Callable[[int], None],
+    ) -> dict[int, tuple[RankHoldings, int]]:
+        """Wait for the holdings of every live rank; a rank that dies (or never answers) meanwhile
+        joins the failed ones. Returns {rank: (holdings, completed iteration)}."""
+        got: dict[int, tuple[RankHoldings, int]] = {}
+        deadline = time.monotonic() + HOLDINGS_TIMEOUT_S
+        while True:
+            for rank in range(self.topology.world_size):
+                if rank in rec.permanent or rank in got:
+                    continue
+                if not alive(rank):
+                    log.warning("rank %d died during the recovery; it is replaced too", rank)
+                    rec.permanent.add(rank)
+                    on_lost(rank)
+                    continue
+                raw = self.kv.get(keys.holdings(self.job, rec.generation, rank))
+                if raw is not None:
+                    got[rank] = decode_holdings(json.loads(raw))
+            waiting = set(range(self.topology.world_size)) - rec.permanent - set(got)
+            if not waiting:
+                return got
+            if time.monotonic() > deadline:
+                log.error("ranks %s never reported their holdings; replacing them", sorted(waiting))
+                for rank in waiting:
+                    rec.permanent.add(rank)
+                    on_lost(rank)
+                return got
+            time.sleep(POLL_S)
+
+    def decide(
+        self,
+        rec: Recovery,
+        held: dict[int, tuple[RankHoldings, int]],
+        free_spares: list[str],
+    ) -> RecoveryPlan:
+        """Plan, claim the spares, commit the membership and publish the plan. Raises
+        Unrecoverable (after publishing why, so every process stops) when nothing can."""
+        current = self.membership.current()
+        view = Membership(current.generation, current.ranks, tuple(free_spares))
+        try:
+            plan = plan_recovery(
+                view, self.topology, rec.permanent, {r: h for r, (h, _) in held.items()},
+                self.replicas,
+            )  # fmt: skip
+            for rank, spare_id in sorted(plan.replaced.items()):
+                if not self.membership.claim_spare(spare_id, current.generation, f"rank {rank}"):
+                    raise Unrecoverable(f"spare {spare_id} was claimed by someone else")
+            self.membership.commit(
+                Membership(current.generation + 1, plan.membership.ranks, plan.membership.spares),
+                current.generation,
+            )
+        except Unrecoverable as err:
+            doc = {"unrecoverable": str(err)}
+            self.kv.set(keys.recovery_plan(self.job, rec.generation), json.dumps(doc).encode())
+            raise
+        for rank, spare_id in sorted(plan.replaced.items()):
+            assignment = {"rank": rank, "generation": rec.generation}
+            self.kv.set(keys.assignment(self.job, spare_id), json.dumps(assignment).encode())
+            self.events.emit(SPARE_CLAIMED, spare=spare_id, replaces=rank)
+        self.kv.set(
+            keys.recovery_plan(self.job, rec.generation), json.dumps(encode_plan(plan)).encode()
+        )
+        rec.plan = plan
+        rec.replayed = max(0, max(c for _, c in held.values()) - plan.iteration)
+        rec.phases["plan"] = time.time() - rec.ordered_at
+        log.info(
+            "generation %d: roll back to iteration %d; %s; transfers: %s",
+            rec.generation, plan.iteration,
+            ", ".join(f"{s} replaces rank {r}" for r, s in plan.replaced.items()) or "no spare",
+            ", ".join(f"{t.kind} {t.src}->{t.dst}" for t in plan.transfers) or "none",
+        )  # fmt: skip
+        self.pending = rec
+        return plan
+
+    def poll_done(self) -> dict | None:
+        """The finished recovery's summary once every rank has run its first iteration."""
+        rec = self.pending
+        if rec is None:
+            return None
+        records = []
+        for rank in range(self.topology.world_size):
+            raw = self.kv.get(keys.recovered(self.job, rec.generation, rank))
+            if raw is None:
+                return None
+            records.append(json.loads(raw))
+        self.pending = None
+        for name in RANK_PHASES:
+            rec.phases[name] = max(r["phases"].get(name, 0.0) for r in records)
+        for name, seconds in rec.phases.items():
+            self.events.emit(RECOVERY_PHASE, phase=name, duration_s=seconds)
+        finished = max(r["finished_at"] for r in records)
+        summary = {
+            "total_s": finished - rec.failed_at,
+            "replayed_iterations": rec.replayed,
+            "bytes_moved": sum(r["bytes_moved"] for r in records),
+            "iteration": rec.plan.iteration,
+            "replaced": {str(k): v for k, v in rec.plan.replaced.items()},
+        }
+        self.events.emit(RECOVERY_DONE, **summary)
+        log.info(
+            "generation %d: recovered in %.2f s (failure to first resumed iteration); %s; "
+            "%d iteration(s) re-executed, %.1f MiB moved",
+            rec.generation, summary["total_s"],
+            ", ".join(f"{k} {v:.3f} s" for k, v in rec.phases.items()),
+            rec.replayed, summary["bytes_moved"] / 2**20,
+        )  # fmt: skip
+        self.done.append(summary)
+        return summary
