@@ -160,7 +160,8 @@ class DeadpoolConfig:
         None,
         "Faults to inject, SPEC[,SPEC...]: kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], "
         "raise@RANK:ITER[:PHASE] (transient), kill-spare@INDEX:ITER; PHASE: forward, backward, "
-        "optimizer, snapshot, replicate, recovery.",
+        "optimizer, snapshot, replicate, recovery (in whichever process holds RANK while it "
+        "recovers from a failure in ITER). Each fault fires once per job.",
     )
     deadpool_store: str = knob(
         "tcp",
@@ -177,6 +178,12 @@ class DeadpoolConfig:
     deadpool_chaos_seed: int = knob(0, "Seed of the chaos schedule (reproducible per seed).")
     deadpool_event_log: str | None = knob(
         None, "Append one JSON line per failure, fencing, spare and recovery event to this file."
+    )
+    deadpool_verify_groups: bool = knob(
+        False,
+        "After each recovery, walk every object reachable from training and megatron-core's "
+        "globals, and fail the recovery if one still holds a process group from before it "
+        "(slow; for tests and debugging).",
     )
 
 

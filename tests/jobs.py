@@ -48,10 +48,18 @@ def run_job(
 ) -> JobResult:
     """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file."""
     metrics = tmp_path / f"{name}.jsonl"
-    done = subprocess.run(
+    proc = subprocess.Popen(
         launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares, launcher),
-        cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the launcher forwards it to every process it started
+        out, err = proc.communicate(timeout=30)
+        (tmp_path / f"{name}.log").write_text(out + err)
+        raise AssertionError(f"job timed out after {JOB_TIMEOUT_S} s:\n{(out + err)[-6000:]}")
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     (tmp_path / f"{name}.log").write_text(done.stdout + done.stderr)
     losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)
     return JobResult(done.returncode, done.stdout + done.stderr, losses, final)

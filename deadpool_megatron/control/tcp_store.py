@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -36,6 +37,7 @@ class TcpKVStore(KVStore):
         import torch.distributed as dist
 
         self._dist = dist
+        self._lock = threading.Lock()
         self._endpoint = f"{host}:{port}"
         try:
             self._store = dist.TCPStore(
@@ -57,6 +59,7 @@ class TcpKVStore(KVStore):
 
         self = cls.__new__(cls)
         self._dist, self._store, self._endpoint = dist, store, endpoint
+        self._lock = threading.Lock()
         return self
 
     @property
@@ -69,7 +72,8 @@ class TcpKVStore(KVStore):
 
     def _call(self, op: Callable[[], T]) -> T:
         try:
-            return op()
+            with self._lock:  # heartbeat, order-watcher and training threads share the client
+                return op()
         except self._dist.DistNetworkError as err:
             raise StoreUnreachable(self._endpoint, _first_line(err)) from err
 

@@ -80,7 +80,10 @@ class CommunicatorAbort:
         for fd, inode in owned.items():
             if current.get(fd) != inode:
                 continue  # gloo closed it already (and the number may have been reused)
-            sock = socket.socket(fileno=fd)
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue  # closed by gloo in the meantime
             try:
                 if sock.type != socket.SOCK_STREAM or sock.family not in (
                     socket.AF_INET,

@@ -158,11 +158,11 @@ class Coordinator:
             assignment = {"rank": rank, "generation": rec.generation}
             self.kv.set(keys.assignment(self.job, spare_id), json.dumps(assignment).encode())
             self.events.emit(SPARE_CLAIMED, spare=spare_id, replaces=rank)
-        self.kv.set(
-            keys.recovery_plan(self.job, rec.generation), json.dumps(encode_plan(plan)).encode()
-        )
+        completed = max(c for _, c in held.values())
+        doc = {**encode_plan(plan), "failed_iteration": completed + 1}
+        self.kv.set(keys.recovery_plan(self.job, rec.generation), json.dumps(doc).encode())
         rec.plan = plan
-        rec.replayed = max(0, max(c for _, c in held.values()) - plan.iteration)
+        rec.replayed = max(0, completed - plan.iteration)
         rec.phases["plan"] = time.time() - rec.ordered_at
         log.info(
             "generation %d: roll back to iteration %d; %s; transfers: %s",
@@ -197,6 +197,9 @@ class Coordinator:
             "iteration": rec.plan.iteration,
             "replaced": {str(k): v for k, v in rec.plan.replaced.items()},
         }
+        checked = [r.get("groups_checked") for r in records]
+        if all(c is not None for c in checked):  # --deadpool-verify-groups
+            summary["groups_checked_min"] = min(checked)
         self.events.emit(RECOVERY_DONE, **summary)
         log.info(
             "generation %d: recovered in %.2f s (failure to first resumed iteration); %s; "

@@ -25,8 +25,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -50,12 +52,14 @@ from ..megatron.shard import RankState
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
+from .groups import live_groups, stale_groups
 from .plan import RankHoldings, RecoveryPlan, check_plan, decode_plan, encode_holdings
 
 log = logging.getLogger("deadpool.recovery")
 
 POLL_S = 0.02
 WAIT_TIMEOUT_S = 120.0  # for the launcher's order and plan, and for the rendezvous
+STUCK_S = 5.0  # after an order, the training thread should stop within milliseconds
 
 
 class RecoveryOrdered(DeadpoolError):
@@ -129,7 +133,12 @@ class HotSwap:
         self.held = Held()
         self.completed = 0  # the newest iteration this process finished before the failure
         self.bytes_moved = 0
+        self._failed_iteration = 0
         self._ordered = 0
+        self._failed_generation = 0
+        self._ordered_at: float | None = None
+        self._in_recovery = False
+        self._stuck_logged = False
         self._lock = threading.Lock()
         self._pending: dict | None = None  # phases of a recovery awaiting its first iteration
         self._watcher: threading.Thread | None = None
@@ -151,9 +160,23 @@ class HotSwap:
             if raw is not None:
                 with self._lock:
                     self._ordered = max(self._ordered, nxt)
+                    self._ordered_at = time.monotonic()
                 log.info("recovery into generation %d ordered: %s", nxt, json.loads(raw)["reason"])
                 self.abort.abort()  # whoever is blocked in a collective now fails
+            self._report_if_stuck()
             time.sleep(POLL_S)
+
+    def _report_if_stuck(self) -> None:
+        """Log where the training thread is if it has not stopped soon after an order."""
+        if self._ordered_at is None or self._in_recovery or self._stuck_logged:
+            return
+        if time.monotonic() - self._ordered_at > STUCK_S:
+            self._stuck_logged = True
+            frame = sys._current_frames().get(threading.main_thread().ident)
+            stack = "".join(traceback.format_stack(frame)) if frame else "?"
+            log.error("the training thread has not stopped %.0f s after the recovery order; "
+                      "it is at:\n%s", STUCK_S, stack)  # fmt: skip
+            self.abort.abort()
 
     @property
     def stopping(self) -> bool:
@@ -168,6 +191,7 @@ class HotSwap:
     # -- a worker's recovery -----------------------------------------------------------------
     def recover(self, trainer, err: BaseException) -> None:
         """Take part in recoveries until one succeeds; raises RecoveryFailed if none can."""
+        self._in_recovery = True
         if not isinstance(err, RecoveryOrdered) and not self.stopping and self.report:
             self.report(err)  # the launcher classifies it
         log.warning("iteration %d stopped: %s: %s", trainer.iteration + 1, type(err).__name__, err)
@@ -182,6 +206,7 @@ class HotSwap:
                 continue  # a newer order superseded it
             try:
                 self._rebuild(trainer, plan)
+                self._recovered()
                 return
             except RecoveryFailed:
                 raise
@@ -190,11 +215,13 @@ class HotSwap:
                             type(e).__name__, e)  # fmt: skip
                 self.abort.abort()
                 self._stop_pipeline(trainer)
+                self._failed_generation = generation  # its store prefix is spent: never retry
 
     def take_over(self, generation: int, trainer_factory):
         """A claimed spare joins the recovery into `generation`; returns its Trainer."""
         with self._lock:
             self.generation, self._ordered = generation - 1, generation
+            self._in_recovery = True
         self.start_watching()
         while True:
             plan = self._wait_for_plan(generation)
@@ -205,12 +232,19 @@ class HotSwap:
                         f"{self.env.rank}: {sorted(plan.replaced)}"
                     )
                 try:
-                    return self._rebuild(None, plan, trainer_factory)
+                    trainer = self._rebuild(None, plan, trainer_factory)
+                    self._recovered()
+                    return trainer
                 except RecoveryFailed:
                     raise
                 except Exception as e:
                     raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {e}") from e
             generation = self._wait_for_order()
+
+    def _recovered(self) -> None:
+        with self._lock:
+            self._in_recovery = self._stuck_logged = False
+            self._ordered_at = None
 
     def _stop_pipeline(self, trainer) -> None:
         p = trainer.pipeline if trainer is not None else None
@@ -224,7 +258,7 @@ class HotSwap:
 
     def _wait_for_order(self) -> int:
         deadline = time.monotonic() + WAIT_TIMEOUT_S
-        while not self.stopping:
+        while not self.stopping or self._ordered <= self._failed_generation:
             if time.monotonic() > deadline:
                 raise RecoveryFailed(
                     f"no recovery order from the launcher within {WAIT_TIMEOUT_S:.0f} s"
@@ -251,6 +285,7 @@ class HotSwap:
                 doc = json.loads(raw)
                 if "unrecoverable" in doc:
                     raise RecoveryFailed(doc["unrecoverable"])
+                self._failed_iteration = doc["failed_iteration"]
                 return decode_plan(doc)
             with self._lock:
                 if self._ordered > generation:
@@ -264,6 +299,8 @@ class HotSwap:
         generation = plan.generation
         phases: dict[str, float] = {}
         t = time.perf_counter()
+        verify_groups = self.cfg.deadpool.deadpool_verify_groups
+        old_groups = live_groups() if verify_groups else []  # held: their ids stay unique
         if trainer is not None:
             trainer.state = None  # the old model, DDP and optimizer hold the old groups
         parallel.destroy_distributed()
@@ -282,8 +319,8 @@ class HotSwap:
         else:
             trainer.attach(state)
         phases["rebuild_model"] = time.perf_counter() - t
-        if self.fire is not None:
-            self.fire(plan.iteration + 1, "recovery")
+        if self.fire is not None:  # kill@R:I:recovery: recovering from a failure in I
+            self.fire(self._failed_iteration, "recovery")
         t = time.perf_counter()
         rank_state = RankState(state.model, state.optimizer, state.scheduler)
         restored = self._restore(rank_state, plan)
@@ -297,10 +334,21 @@ class HotSwap:
             trainer.pipeline = build_pipeline(self.cfg, state, self.env, on_gpu, generation)
         trainer.pipeline.after_step(plan.iteration)  # the new generation protects itself
         phases["rebuild_pipeline"] = time.perf_counter() - t
+        checked = None
+        if verify_groups:
+            reachable, stale = stale_groups(old_groups, trainer, self)
+            if stale:
+                raise RecoveryFailed(
+                    f"{len(stale)} reference(s) to process groups from before the recovery "
+                    f"remain: {stale[:5]}"
+                )
+            checked = reachable
+            log.info("verified: %d process groups reachable, none from before", reachable)
+        del old_groups
         with self._lock:
             self.generation = generation
         self.client.generation = generation
-        self._pending = {"phases": phases, "restored_at": time.time()}
+        self._pending = {"phases": phases, "restored_at": time.time(), "groups": checked}
         log.info(
             "generation %d: rolled back to iteration %d (%s), resuming",
             generation, plan.iteration, ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()),
@@ -389,6 +437,7 @@ class HotSwap:
                 "finished_at": now,
                 "iteration": trainer.iteration,
                 "bytes_moved": self.bytes_moved,
+                "groups_checked": self._pending["groups"],
             }
             key = keys.recovered(self.job, self.generation, self.env.rank)
             self.kv.set(key, json.dumps(record).encode())

@@ -7,10 +7,6 @@ protection pipeline from inside, at chosen iterations:
                             with garbage after ITER, then rebuild it from its ring replica
                             (held by its DP successor) and a DP peer's parameters
 --wipe-local ITER:RANK      the same, restored from RANK's own host snapshot
---rebuild ITER              after ITER, every rank tears down all communicators and its model,
-                            builds them again on a new store prefix (generation 1) and rolls
-                            back to its own host snapshot; no object built before may still
-                            hold an old process group
 --corrupt ITER:RANK:SRC     flip bytes of the replica RANK receives from SRC for ITER: it must
                             be rejected and the replica of ITER-1 must stay
 
@@ -65,38 +61,6 @@ def sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()
 
 
-def process_groups_reachable_from(trainer) -> list[tuple[str, object]]:
-    """Every ProcessGroup reachable from the training objects and megatron-core's globals."""
-    import types
-
-    from megatron.core import parallel_state
-
-    roots = {"trainer": trainer, "parallel_state": dict(vars(parallel_state))}
-    found, seen, stack = [], set(), [(name, obj, 0) for name, obj in roots.items()]
-    while stack:
-        path, obj, depth = stack.pop()
-        if (
-            id(obj) in seen
-            or depth > 14
-            or isinstance(obj, (types.ModuleType, torch.Tensor, str, bytes, int, float, type))
-        ):
-            continue  # fmt: skip
-        seen.add(id(obj))
-        if isinstance(obj, dist.ProcessGroup):
-            found.append((path, obj))
-            continue
-        if isinstance(obj, dict):
-            items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-        elif hasattr(obj, "__dict__"):
-            items = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
-        else:
-            items = []
-        stack.extend((p, v, depth + 1) for p, v in items)
-    return found
-
-
 def wipe(trainer) -> None:
     """Garbage in every tensor and in the scheduler and RNG state of this rank."""
     gen = torch.Generator().manual_seed(4242)
@@ -131,8 +95,6 @@ class Checks:
         for it, victim in self.args.wipe_local:
             if it == i:
                 self.restore_local(trainer, victim)
-        if self.args.rebuild == i:
-            self.rebuild(trainer)
         for it, victim, src in self.args.corrupt:
             if it - 1 == i and self.rank == victim:
                 pipeline.replicator.inject_corruption(src)
@@ -224,21 +186,6 @@ class Checks:
         if self.rank == 0:
             self.results["corrupt"].append(everyone[victim])
 
-    def rebuild(self, trainer) -> None:
-        from deadpool_megatron.recovery.rebuild import rebuild_in_place
-
-        old = {id(g): g for g in dist.distributed_c10d._world.pg_map}  # kept alive: ids stay unique
-        phases = rebuild_in_place(self.cfg, self.env, self.store, trainer, generation=1)
-        reachable = process_groups_reachable_from(trainer)
-        stale = [name for name, g in reachable if id(g) in old]
-        everyone = [None] * dist.get_world_size()
-        from_trainer = sum(1 for name, _ in reachable if name.startswith("trainer"))
-        dist.all_gather_object(everyone, {"stale": stale, "groups": len(reachable),
-                                          "from_trainer": from_trainer,
-                                          "phases": phases, "iteration": trainer.iteration})  # fmt: skip
-        if self.rank == 0:
-            self.results["rebuild"] = everyone
-
     def _share_restored(self) -> None:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.restored_here)
@@ -253,7 +200,6 @@ def main() -> int:
     parser.add_argument("--wipe-replica", type=_pair, action="append", default=[])
     parser.add_argument("--wipe-local", type=_pair, action="append", default=[])
     parser.add_argument("--corrupt", type=_pair, action="append", default=[])
-    parser.add_argument("--rebuild", type=int, default=None)
     args, job_args = parser.parse_known_args()
     env = ProcessEnv.from_environ()
     cfg = parse_job_args(job_args, env.world_size)
@@ -267,7 +213,6 @@ def main() -> int:
     checks = Checks(
         args, Topology(env.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     )
-    checks.cfg, checks.env, checks.store = cfg, env, store
     trainer.train(on_iteration=checks)
     trainer.pipeline.close()
     trainer.finish()

@@ -1,0 +1,177 @@
+"""Hot-swap recovery on real jobs: a failed rank is replaced (or a transiently failed one reset)
+while the job keeps running, and the run ends bitwise identical to the failure-free run of
+the same configuration (per-iteration loss hex values and the final state digest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool_megatron.events import read_events
+from jobs import ROOT, run_job
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml")]
+HEARTBEATS = ["--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "2.0"]
+# PP2 x DP2 on 4 processes: ranks 0, 1 are the first pipeline stage, 2, 3 the last; DP rings
+# [0, 1] and [2, 3].
+SHAPE_PP2 = [*DEMO, "--tensor-model-parallel-size", "1", "--train-iters", "12", "--deadpool",
+             *HEARTBEATS]  # fmt: skip
+# TP2 x PP2 x DP2 on 8 processes (the demo): ranks 2k, 2k+1 are TP peers.
+SHAPE_3D = [*DEMO, "--train-iters", "10", "--deadpool", *HEARTBEATS]
+# DP4 on 4 processes: the ring 0 -> 1 -> 2 -> 3 -> 0.
+SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+             "--train-iters", "10", "--deadpool", *HEARTBEATS]  # fmt: skip
+RANK_PHASES = ("rebuild_communicators", "rebuild_model", "transfer_state", "verify",
+               "first_iteration")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def baseline_pp2(tmp_path_factory):
+    result = run_job(tmp_path_factory.mktemp("base_pp2"), 4, SHAPE_PP2, name="baseline")
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def baseline_3d(tmp_path_factory):
+    result = run_job(tmp_path_factory.mktemp("base_3d"), 8, SHAPE_3D, name="baseline")
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def baseline_dp4(tmp_path_factory):
+    result = run_job(tmp_path_factory.mktemp("base_dp4"), 4, SHAPE_DP4, name="baseline")
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+def _run(tmp_path, nproc, shape, spec, spares, extra=()):
+    log = tmp_path / "events.jsonl"
+    args = [*shape, "--deadpool-inject", spec, "--deadpool-event-log", str(log), *extra]
+    result = run_job(tmp_path, nproc, args, spares=spares)
+    events = read_events(str(log)) if log.exists() else []
+    return result, events
+
+
+def _named(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def _assert_same_run(result, baseline):
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == baseline.losses  # every iteration, replayed ones included
+    assert result.digest == baseline.digest
+
+
+def _assert_recovered(events, recoveries: int = 1):
+    done = _named(events, "recovery_done")
+    assert len(done) == recoveries, events
+    for d in done:
+        assert d["total_s"] > 0, d
+        assert d["replayed_iterations"] <= 1, d
+    phases = {e["phase"] for e in _named(events, "recovery_phase")}
+    assert {"detect", "fence", "plan", *RANK_PHASES} <= phases
+    return done
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "kill@0:6:forward",  # global rank 0, first pipeline stage
+        "kill@3:7:backward",  # last stage, DP rank 1
+        "kill@1:5:optimizer",  # first stage, DP rank 1
+        "kill@2:6:snapshot",  # last stage, DP rank 0, between its step and its snapshot
+        "kill@3:5:replicate",  # while its replication thread sends
+    ],
+)
+def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec):
+    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1)
+    _assert_same_run(result, baseline_pp2)
+    victim = int(spec.split("@")[1].split(":")[0])
+    detected = _named(events, "failure_detected")
+    assert [(d["rank"], d["kind"]) for d in detected] == [(victim, "permanent")]
+    assert [(c["spare"], c["replaces"]) for c in _named(events, "spare_claimed")] == [
+        ("spare-0", victim)
+    ]
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {str(victim): "spare-0"}
+    assert done["bytes_moved"] > 0  # parameters + optimizer shard, to the spare only
+
+
+def test_tp_rank_swap_on_the_demo_shape_leaves_no_stale_group(tmp_path, baseline_3d):
+    # TP rank 1 of (pp 0, dp 1); every process walks its live objects after the recovery.
+    result, events = _run(
+        tmp_path, 8, SHAPE_3D, "kill@3:6:backward", spares=1, extra=["--deadpool-verify-groups"]
+    )
+    _assert_same_run(result, baseline_3d)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"3": "spare-0"}
+    assert done["groups_checked_min"] > 10  # the walk reached model, DDP, optimizer, ring
+    assert "none from before" in result.output
+
+
+def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2):
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:4,kill@2:8", spares=2)
+    _assert_same_run(result, baseline_pp2)
+    done = _assert_recovered(events, recoveries=2)
+    assert [d["replaced"] for d in done] == [{"1": "spare-0"}, {"2": "spare-1"}]
+    assert [e["generation"] for e in _named(events, "recovery_started")] == [1, 2]
+
+
+def test_transient_error_resets_in_place_without_a_spare(tmp_path, baseline_pp2):
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "raise@1:6:backward", spares=1)
+    _assert_same_run(result, baseline_pp2)
+    detected = _named(events, "failure_detected")
+    assert [(d["rank"], d["kind"]) for d in detected] == [(1, "transient")]
+    assert _named(events, "spare_claimed") == []
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {} and done["bytes_moved"] == 0
+    assert "spare 0: job finished, exiting" in result.output  # never used, still idle
+
+
+def test_hung_rank_is_fenced_then_replaced(tmp_path, baseline_pp2):
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "hang@2:6:backward", spares=1)
+    _assert_same_run(result, baseline_pp2)
+    (fenced,) = _named(events, "fenced")
+    assert fenced["rank"] == 2
+    (detected,) = _named(events, "failure_detected")
+    assert detected["evidence"] == "HeartbeatStale" and detected["kind"] == "permanent"
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"2": "spare-0"}
+
+
+def test_spare_dying_during_its_own_recovery_is_replaced_by_the_next(tmp_path, baseline_pp2):
+    # Rank 3 dies in iteration 6; the spare taking it over dies while it recovers into
+    # iteration 6: the recovery starts again in a newer generation with the second spare.
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@3:6,kill@3:6:recovery", spares=2)
+    _assert_same_run(result, baseline_pp2)
+    started = _named(events, "recovery_started")
+    assert [s["generation"] for s in started] == [1, 2]
+    claimed = [(c["spare"], c["replaces"]) for c in _named(events, "spare_claimed")]
+    assert claimed == [("spare-0", 3), ("spare-1", 3)]
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"3": "spare-1"}
+
+
+def test_adjacent_ring_ranks_lost_together_with_one_replica_is_unrecoverable(tmp_path):
+    # Rank 1's optimizer shard lives on rank 1 and its ring successor 2 only: both die.
+    result, events = _run(tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2)
+    assert result.returncode == 1
+    assert "its optimizer shard at iteration" in result.output
+    assert "was replicated on ranks [2] only, and [2] failed too (--deadpool-replicas 1)" in (
+        result.output
+    )
+    assert _named(events, "recovery_done") == []
+    (ended,) = _named(events, "job_ended")
+    assert ended["status"] == 1 and ended["reason"].startswith("unrecoverable")
+
+
+def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, baseline_dp4):
+    result, events = _run(
+        tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2, extra=["--deadpool-replicas", "2"]
+    )
+    _assert_same_run(result, baseline_dp4)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"1": "spare-0", "2": "spare-1"}
