@@ -58,7 +58,9 @@ def run_job(
         proc.send_signal(signal.SIGTERM)  # the launcher forwards it to every process it started
         out, err = proc.communicate(timeout=30)
         (tmp_path / f"{name}.log").write_text(out + err)
-        raise AssertionError(f"job timed out after {JOB_TIMEOUT_S} s:\n{(out + err)[-6000:]}")
+        raise AssertionError(
+            f"job timed out after {JOB_TIMEOUT_S} s:\n{(out + err)[-6000:]}"
+        ) from None
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     (tmp_path / f"{name}.log").write_text(done.stdout + done.stderr)
     losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)

@@ -93,7 +93,14 @@ def is_peer_loss_message(message: str) -> bool:
     return bool(_PEER_LOSS.search(message))
 
 
+# A worker whose training thread stayed blocked in a collective after a recovery order (gloo
+# cannot abort every pending operation) exits with this status so that a spare replaces it.
+EXIT_BLOCKED = 75
+
+
 def describe_exit(returncode: int) -> str:
+    if returncode == EXIT_BLOCKED:
+        return f"exited with status {returncode} (blocked in a collective it could not abort)"
     if returncode < 0:
         try:
             return f"was killed by signal {signal.Signals(-returncode).name}"

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from ..megatron import gloo_p2p
+
 log = logging.getLogger("deadpool.recovery")
 
 
@@ -53,6 +55,7 @@ class CommunicatorAbort:
     def record(self) -> Iterator[None]:
         """Every socket created inside this block belongs to the generation's groups."""
         before = _sockets()
+        gloo_p2p.reset()
         try:
             yield
         finally:
@@ -70,6 +73,7 @@ class CommunicatorAbort:
 
         Safe from any thread, idempotent; returns the number of connections shut down.
         """
+        gloo_p2p.abort_pending()  # pipeline sends gloo would not wake
         if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
             with contextlib.suppress(Exception):
                 dist.distributed_c10d._abort_process_group()

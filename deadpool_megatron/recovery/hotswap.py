@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -44,6 +45,7 @@ from ..checkpoint.restore import (
 from ..config import JobConfig
 from ..control import keys
 from ..errors import DeadpoolError
+from ..failure.evidence import EXIT_BLOCKED
 from ..megatron import parallel
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.hooks import build_pipeline
@@ -59,7 +61,6 @@ log = logging.getLogger("deadpool.recovery")
 
 POLL_S = 0.02
 WAIT_TIMEOUT_S = 120.0  # for the launcher's order and plan, and for the rendezvous
-STUCK_S = 5.0  # after an order, the training thread should stop within milliseconds
 
 
 class RecoveryOrdered(DeadpoolError):
@@ -138,7 +139,8 @@ class HotSwap:
         self._failed_generation = 0
         self._ordered_at: float | None = None
         self._in_recovery = False
-        self._stuck_logged = False
+        # As long as a hung rank is given: a healthy one stops within milliseconds.
+        self.stuck_s = max(1.0, cfg.deadpool.deadpool_heartbeat_timeout)
         self._lock = threading.Lock()
         self._pending: dict | None = None  # phases of a recovery awaiting its first iteration
         self._watcher: threading.Thread | None = None
@@ -163,20 +165,29 @@ class HotSwap:
                     self._ordered_at = time.monotonic()
                 log.info("recovery into generation %d ordered: %s", nxt, json.loads(raw)["reason"])
                 self.abort.abort()  # whoever is blocked in a collective now fails
-            self._report_if_stuck()
+            self._leave_if_blocked()
             time.sleep(POLL_S)
 
-    def _report_if_stuck(self) -> None:
-        """Log where the training thread is if it has not stopped soon after an order."""
-        if self._ordered_at is None or self._in_recovery or self._stuck_logged:
+    def _leave_if_blocked(self) -> None:
+        """Leave if the training thread has not stopped soon after an order.
+
+        A gloo send waiting for its peer to post the matching receive is not woken when the
+        connection closes (it waits out the process-group timeout, minutes): this process
+        cannot join the recovery, so it exits and the launcher replaces it with a spare.
+        """
+        if self._ordered_at is None or self._in_recovery:
             return
-        if time.monotonic() - self._ordered_at > STUCK_S:
-            self._stuck_logged = True
+        if time.monotonic() - self._ordered_at > self.stuck_s:
             frame = sys._current_frames().get(threading.main_thread().ident)
             stack = "".join(traceback.format_stack(frame)) if frame else "?"
-            log.error("the training thread has not stopped %.0f s after the recovery order; "
-                      "it is at:\n%s", STUCK_S, stack)  # fmt: skip
-            self.abort.abort()
+            log.error(
+                "the training thread is still blocked %.1f s after the recovery order, in a "
+                "collective gloo cannot abort; leaving so that a spare takes this rank over. "
+                "It is at:\n%s", self.stuck_s, stack,
+            )  # fmt: skip
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(EXIT_BLOCKED)
 
     @property
     def stopping(self) -> bool:
@@ -243,7 +254,7 @@ class HotSwap:
 
     def _recovered(self) -> None:
         with self._lock:
-            self._in_recovery = self._stuck_logged = False
+            self._in_recovery = False
             self._ordered_at = None
 
     def _stop_pipeline(self, trainer) -> None:
