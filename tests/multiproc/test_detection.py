@@ -1,5 +1,7 @@
 """Failure detection on real jobs: injected kills, hangs and transient errors are noticed,
-classified, logged and (for a hang) fenced; a healthy job is never accused."""
+classified, logged and (for a hang) fenced; a healthy job is never accused. Jobs without a
+spare cannot replace a lost rank, so a permanent failure ends them (test_hotswap.py has the
+recoveries)."""
 
 from __future__ import annotations
 
@@ -41,9 +43,8 @@ def test_kill_is_detected_as_permanent_within_a_second(tmp_path, rank):
     assert detected["rank"] == rank and detected["kind"] == "permanent"
     assert detected["evidence"] == "ProcessExited"
     assert 0 < detected["detect_latency_s"] <= 1.0, detected
-    assert (
-        f"worker rank {rank} (pid" in result.output and "killed by signal SIGKILL" in result.output
-    )
+    assert f"rank {rank} was killed by signal SIGKILL" in result.output
+    assert "no spare left to replace failed rank" in result.output
 
 
 def test_hang_is_detected_within_timeout_plus_one_second_and_fenced(tmp_path):
@@ -64,7 +65,7 @@ def test_raise_is_classified_transient(tmp_path, phase):
     # In the replicate phase the error is raised in the replication thread, which the
     # training thread never sees: the thread reports it itself.
     result, events = _inject(tmp_path, f"raise@1:4:{phase}")
-    assert result.returncode == 1
+    assert result.returncode == 0, result.output[-3000:]  # reset in place, no spare needed
     detected = _only(events, "failure_detected")
     assert detected["rank"] == 1 and detected["kind"] == "transient"
     assert detected["evidence"] == "InjectedTransient"
@@ -91,13 +92,15 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, etcd_url):
             "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd_url,
             "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job])
-    assert result.returncode == 1
+    assert result.returncode == 0, result.output[-3000:]
     events = read_events(str(log))
     detected = _only(events, "failure_detected")
     assert (detected["rank"], detected["evidence"]) == (1, "HeartbeatStale")
     assert detected["detect_latency_s"] <= 3.0
+    # The hot-swap went through etcd too: generation 1 has the spare holding rank 1.
     membership = MembershipStore(EtcdKVStore(etcd_url), job).current()
-    assert membership.generation == 0
+    assert membership.generation == 1
     assert [m.rank for m in membership.ranks] == [0, 1, 2, 3]
     assert [m.coords for m in membership.ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
-    assert membership.spares == ("spare-0",)
+    assert membership.member(1).process_id == "spare-0"
+    assert membership.spares == ()
