@@ -29,6 +29,8 @@ def _write_preflight(cfg) -> None:
                     **dataclasses.asdict(cfg.deadpool),
                     "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
+                    "save": cfg.checkpoint.save,
+                    "load": cfg.checkpoint.load,
                 },
                 fh,
             )

@@ -179,6 +179,14 @@ class DeadpoolConfig:
     deadpool_event_log: str | None = knob(
         None, "Append one JSON line per failure, fencing, spare and recovery event to this file."
     )
+    deadpool_on_unrecoverable: str | None = knob(
+        None,
+        "When a hot-swap cannot recover (both copies of a shard lost, no spare left): "
+        "checkpoint-restart (restart every process from the newest complete persistent "
+        "checkpoint under --save; the default when --save is set) or stop (end the job, saying "
+        "what was lost; the default without --save).",
+        choices=("checkpoint-restart", "stop"),
+    )
     deadpool_verify_groups: bool = knob(
         False,
         "After each recovery, walk every object reachable from training and megatron-core's "
@@ -457,6 +465,13 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
             "--deadpool-store etcd needs --deadpool-etcd-endpoints http://HOST:PORT[,...]",
         )
         parse_endpoints(dpc.deadpool_etcd_endpoints)
+    if dpc.deadpool_on_unrecoverable is None:
+        dpc.deadpool_on_unrecoverable = "checkpoint-restart" if cfg.checkpoint.save else "stop"
+    _require(
+        dpc.deadpool_on_unrecoverable == "stop" or bool(cfg.checkpoint.save),
+        "--deadpool-on-unrecoverable checkpoint-restart needs --save DIR (and --save-interval) "
+        "to restart from; use --deadpool-on-unrecoverable stop without persistent checkpoints",
+    )
     if dpc.deadpool_chaos_mtbf is not None:
         _require(
             dpc.deadpool_chaos_mtbf > 0,

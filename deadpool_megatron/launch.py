@@ -4,7 +4,9 @@ The launcher hosts the job's coordination store (a torch TCPStore, on node 0) in
 process, so the store outlives any worker. It checks the script's arguments once (a
 "preflight" run of the script with DEADPOOL_PREFLIGHT=1, which must validate its flags and
 exit) before starting anything, prefixes every line of a child's output with its role and rank,
-forwards SIGINT/SIGTERM, and ends the job with one clear line when a worker dies.
+forwards SIGINT/SIGTERM, and acts on failures: with --deadpool it hot-swaps (recovery/
+coordinator.py), with --restart-policy full it restarts the job from its newest checkpoint, and
+otherwise it ends the job with one clear line when a worker dies.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .control.monitor import Detection, Monitor
 from .control.store import StoreUnreachable
 from .control.tcp_store import TcpKVStore
 from .errors import ConfigError
-from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, SPARE_LOST, EventLog
+from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, JOB_RESTART, SPARE_LOST, EventLog
 from .failure.classify import describe
 from .failure.evidence import HeartbeatStale, ProcessExited, describe_exit
 from .failure.inject import parse_faults
@@ -40,6 +42,7 @@ from .logging_setup import setup_logging
 from .recovery.coordinator import Coordinator
 from .recovery.plan import Unrecoverable
 from .runtime import (
+    ENV_FAULT_SCOPE,
     ENV_JOB_ID,
     ENV_PREFLIGHT,
     ENV_PREFLIGHT_OUT,
@@ -55,6 +58,7 @@ log = logging.getLogger("deadpool.launch")
 
 TERMINATE_GRACE_S = 5.0
 RECOVERY_TIMEOUT_S = 300.0
+RESTART = -1  # watch() asks main() to watch the restarted job
 POLL_S = 0.02
 
 
@@ -75,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-port", type=int, default=0,
                         help="Store port on node 0; 0 picks a free one on a single node.")  # fmt: skip
     parser.add_argument("--job-id", default=None, help="Job id (default: a random one).")
+    parser.add_argument(
+        "--restart-policy", choices=("hotswap", "full"), default="hotswap",
+        help="What a failure costs. hotswap (default): a job with --deadpool recovers in place "
+        "(a spare replaces a lost rank), falling back to a full restart only when that is "
+        "impossible and --deadpool-on-unrecoverable says so; a job without --deadpool ends. "
+        "full: checkpoint-restart, the baseline: stop every process, start the job again and "
+        "load the newest complete checkpoint under --save.",
+    )  # fmt: skip
+    parser.add_argument("--max-restarts", type=int, default=10, metavar="N",
+                        help="Full restarts allowed before the job gives up (default: 10).")  # fmt: skip
     parser.add_argument("--no-preflight", action="store_true",
                         help="Skip the argument check for a script that does not honour "
                         f"{ENV_PREFLIGHT}=1.")  # fmt: skip
@@ -96,6 +110,8 @@ def validate_launch_args(a: argparse.Namespace) -> None:
         raise ConfigError(f"--master-port={a.master_port} must lie in [0, 65535]")
     if a.nnodes > 1 and a.master_port == 0:
         raise ConfigError("--master-port 0 (pick a free port) only works with --nnodes 1")
+    if a.max_restarts < 0:
+        raise ConfigError(f"--max-restarts={a.max_restarts} must be 0 or more")
     if not os.path.isfile(a.script):
         raise ConfigError(f"script {a.script!r} does not exist")
 
@@ -116,6 +132,9 @@ class ControlSettings:
     tp: int = 1
     pp: int = 1
     replicas: int = 1
+    save: str | None = None
+    load: str | None = None
+    on_unrecoverable: str = "stop"
 
     @classmethod
     def from_preflight(cls, d: dict) -> ControlSettings:
@@ -132,6 +151,9 @@ class ControlSettings:
             tp=int(d.get("tensor_model_parallel_size", 1)),
             pp=int(d.get("pipeline_model_parallel_size", 1)),
             replicas=int(d.get("deadpool_replicas", 1)),
+            save=d.get("save"),
+            load=d.get("load"),
+            on_unrecoverable=d.get("deadpool_on_unrecoverable") or "stop",
         )
 
     def spare_kills(self):
@@ -156,6 +178,9 @@ class Launcher:
         self.args = args
         self.world_size = args.nnodes * args.nproc_per_node
         self.job_id = args.job_id or uuid.uuid4().hex[:8]
+        self.fault_scope = self.job_id  # injected faults fire once across restarts
+        self.restarts = 0
+        self.extra_args: list[str] = []  # --load DIR after a checkpoint-restart
         self.children: list[Child] = []
         self.store = None
         self.port = args.master_port
@@ -217,6 +242,7 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", "1")
         env[ENV_ROLE] = role
         env[ENV_JOB_ID] = self.job_id
+        env[ENV_FAULT_SCOPE] = self.fault_scope
         if role == ROLE_WORKER:
             env.update(RANK=str(index), LOCAL_RANK=str(local_rank))
         else:
@@ -226,7 +252,7 @@ class Launcher:
 
     def _spawn(self, role: str, index: int, local_rank: int) -> None:
         proc = subprocess.Popen(
-            [sys.executable, "-u", self.args.script, *self.args.script_args],
+            [sys.executable, "-u", self.args.script, *self.args.script_args, *self.extra_args],
             env=self._env(role, index, local_rank),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -266,7 +292,8 @@ class Launcher:
     def watch(self) -> int:
         workers = {c.index: c for c in self.children if c.role == ROLE_WORKER}
         spares = [c for c in self.children if c.role == ROLE_SPARE]
-        self.events = EventLog(self.settings.event_log)
+        if self.events.path is None and self.settings.event_log:
+            self.events = EventLog(self.settings.event_log)
         self.monitor = Monitor(
             self.kv, self.job_id, sorted(workers), lambda r: workers[r].proc.poll(),
             self.settings.heartbeat_interval, self.settings.heartbeat_timeout,
@@ -288,6 +315,9 @@ class Launcher:
                 return 128 + self._stop_signal
             detection = self.monitor.poll()
             if detection is not None:
+                if self.args.restart_policy == "full":
+                    self._log_detection(detection)
+                    return self.restart(f"failure of rank {detection.classification.rank}")
                 if not self.settings.deadpool or not membership_written:
                     return self.on_failure(detection, workers)
                 rc = self.hot_swap(detection, workers, spares)
@@ -423,8 +453,13 @@ class Launcher:
         try:
             plan = self.coordinator.decide(rec, held, [f"spare-{s.index}" for s in free])
         except Unrecoverable as err:
+            lost = sorted(rec.permanent) or [c.rank]
+            if self.settings.on_unrecoverable == "checkpoint-restart":
+                log.error("cannot hot-swap the failure of rank(s) %s: %s; falling back to the "
+                          "persistent checkpoint", lost, err)  # fmt: skip
+                return self.restart(f"unrecoverable in memory: {err}")
             log.error("cannot recover from the failure of rank(s) %s: %s; ending the job",
-                      sorted(rec.permanent) or [c.rank], err)  # fmt: skip
+                      lost, err)  # fmt: skip
             self.events.emit(JOB_ENDED, status=1, reason=f"unrecoverable: {err}")
             self.terminate(signal.SIGTERM)
             return 1
@@ -435,6 +470,27 @@ class Launcher:
             log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid, rank)
         self.monitor.advance(generation)
         return None
+
+    def restart(self, reason: str) -> int:
+        """Checkpoint-restart: stop every process, start the job again under a new job id
+        (a fresh key space) with --load, so it resumes from the newest complete checkpoint."""
+        save = self.settings.save
+        if self.restarts >= self.args.max_restarts or not save:
+            why = "no --save directory" if not save else f"--max-restarts {self.args.max_restarts}"
+            log.error("cannot restart the job (%s) after %s; ending it", why, reason)
+            self.terminate(signal.SIGTERM)
+            self.events.emit(JOB_ENDED, status=1, reason=f"{reason}; no restart ({why})")
+            return 1
+        self.events.emit(JOB_RESTART, reason=reason, restart=self.restarts + 1, load=save)
+        log.warning("checkpoint-restart %d: %s; stopping every process", self.restarts + 1, reason)
+        self.terminate(signal.SIGTERM)
+        self.children.clear()
+        self.restarts += 1
+        self.job_id = f"{self.fault_scope}-r{self.restarts}"
+        if self.settings.load is None:
+            self.extra_args = ["--load", save]
+        self.start()
+        return RESTART
 
     def finish(self, spares: list[Child]) -> int:
         """Every local worker succeeded: tell the spares once every node is done."""
@@ -499,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
         return ConfigError.exit_code
     launcher.start()
-    return launcher.watch()
+    while True:
+        rc = launcher.watch()
+        if rc != RESTART:
+            return rc
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ ENV_JOB_ID = "DEADPOOL_JOB_ID"
 ENV_PREFLIGHT = "DEADPOOL_PREFLIGHT"
 ENV_PREFLIGHT_OUT = "DEADPOOL_PREFLIGHT_OUT"
 ENV_SPARES = "DEADPOOL_SPARES"
+# Injected faults fire once per job, across checkpoint-restarts too (which change the job id).
+ENV_FAULT_SCOPE = "DEADPOOL_FAULT_SCOPE"
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class ProcessEnv:
     job_id: str
     preflight: bool
     under_launcher: bool
+    fault_scope: str = "local"
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> ProcessEnv:
@@ -51,4 +54,5 @@ class ProcessEnv:
             job_id=env.get(ENV_JOB_ID, "local"),
             preflight=env.get(ENV_PREFLIGHT) == "1",
             under_launcher=ENV_ROLE in env,
+            fault_scope=env.get(ENV_FAULT_SCOPE, env.get(ENV_JOB_ID, "local")),
         )

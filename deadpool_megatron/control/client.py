@@ -92,7 +92,7 @@ class ControlClient:
     def claim_fault(self, fault: Fault) -> bool:
         """True for the first process of the job to fire `fault`, False for any later one."""
         ok, _ = self.kv.compare_and_swap(
-            keys.fault_fired(self.job, str(fault)), None, str(os.getpid()).encode()
+            keys.fault_fired(self.env.fault_scope, str(fault)), None, str(os.getpid()).encode()
         )
         return ok
 

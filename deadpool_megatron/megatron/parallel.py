@@ -35,6 +35,12 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float = 300.
     )
 
 
+def store_prefix(job: str, generation: int) -> str:
+    """Where one generation's process groups meet in the store: a recovery (new generation) or
+    a restarted job (new job id) never meets a dead process's addresses."""
+    return f"{job}/gen{generation}"
+
+
 def init_distributed(
     cfg: JobConfig, rank: int, world_size: int, store: dist.Store, prefix: str = "gen0"
 ) -> bool:

@@ -10,7 +10,7 @@ import psutil
 import torch.distributed as dist
 
 from ..config import JobConfig
-from ..events import FAULT_INJECTED, EventLog
+from ..events import CHECKPOINT_LOADED, FAULT_INJECTED, EventLog
 from ..recovery.hotswap import RecoveryFailed
 from ..runtime import ProcessEnv
 from . import checkpointing, parallel
@@ -40,7 +40,9 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
     control = _attach_control(cfg, env, store, takeover)
     if takeover is None:
         with control.hotswap.abort.record() if control else contextlib.nullcontext():
-            on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store)
+            on_gpu = parallel.init_distributed(
+                cfg, env.rank, env.world_size, store, prefix=parallel.store_prefix(env.job_id, 0)
+            )
         tp, pp, dp = parallel.coordinates()
         log.info(
             "rank %d/%d up: tp=%d pp=%d dp=%d, backend %s",
@@ -49,7 +51,11 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
         state = build_train_state(cfg, on_gpu)
         trainer = Trainer(cfg, state, env.world_size, on_gpu)
         if cfg.checkpoint.load:
+            t = time.perf_counter()
             trainer.iteration = checkpointing.load(cfg, state)
+            if control is not None and env.rank == 0:
+                control.events.emit(CHECKPOINT_LOADED, iteration=trainer.iteration,
+                                    load_s=time.perf_counter() - t)  # fmt: skip
         if cfg.deadpool.deadpool:
             from .hooks import build_pipeline
 

@@ -319,7 +319,11 @@ class HotSwap:
         self._rendezvous(generation)
         with self.abort.record():
             on_gpu = parallel.init_distributed(
-                self.cfg, self.env.rank, self.env.world_size, self.store, prefix=f"gen{generation}"
+                self.cfg,
+                self.env.rank,
+                self.env.world_size,
+                self.store,
+                prefix=parallel.store_prefix(self.job, generation),
             )
         phases["rebuild_communicators"] = time.perf_counter() - t
         t = time.perf_counter()
