@@ -161,7 +161,8 @@ class DeadpoolConfig:
         "Faults to inject, SPEC[,SPEC...]: kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], "
         "raise@RANK:ITER[:PHASE] (transient), kill-spare@INDEX:ITER; PHASE: forward, backward, "
         "optimizer, snapshot, replicate, recovery (in whichever process holds RANK while it "
-        "recovers from a failure in ITER). Each fault fires once per job.",
+        "recovers from a failure in ITER), save (after writing the checkpoint of ITER, before "
+        "it is marked complete). Each fault fires once per job.",
     )
     deadpool_store: str = knob(
         "tcp",

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 
 ACTIONS = ("kill", "hang", "raise")  # raise = transient: the process stays alive
 SPARE_ACTIONS = ("kill-spare",)
-PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery")
+PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save")
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"

@@ -81,8 +81,9 @@ def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> 
     return sd
 
 
-def save(cfg: JobConfig, state: TrainState, iteration: int) -> str:
-    """Collective: every rank writes its shard; the tracker moves only when all are done."""
+def save(cfg: JobConfig, state: TrainState, iteration: int, before_commit=None) -> str:
+    """Collective: every rank writes its shard; the tracker moves only when all are done.
+    `before_commit()` runs once the shards are written (fault injection: phase "save")."""
     root = cfg.checkpoint.save
     path = checkpoint_dir(root, iteration)
     start = time.perf_counter()
@@ -94,6 +95,8 @@ def save(cfg: JobConfig, state: TrainState, iteration: int) -> str:
     dist_checkpointing.save(
         _sharded_state_dict(state, iteration, is_loading=False), path, sharded_strategy=strategy
     )
+    if before_commit is not None:
+        before_commit()
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")

@@ -155,7 +155,8 @@ class Trainer:
                         )
                     )
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
-                checkpointing.save(self.cfg, self.state, self.iteration)
+                it = self.iteration
+                checkpointing.save(self.cfg, self.state, it, lambda it=it: self.fire(it, "save"))
             if on_iteration is not None:
                 on_iteration(self)
 

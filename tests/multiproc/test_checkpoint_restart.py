@@ -1,0 +1,68 @@
+"""Checkpoint-restart, the baseline and DeadPool's fallback: on a failure every process stops,
+the job starts again from the newest complete persistent checkpoint and replays; the final
+state equals the failure-free run's, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from deadpool_megatron.events import read_events
+from jobs import ROOT, run_job
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+
+DEMO = ["--config", str(ROOT / "configs" / "demo.yaml")]
+SHAPE_PP2 = [*DEMO, "--tensor-model-parallel-size", "1", "--train-iters", "12"]
+SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+             "--train-iters", "10", "--deadpool"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    result = run_job(tmp_path_factory.mktemp("base"), 4, SHAPE_PP2, name="baseline")
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+def _restart_run(tmp_path, spec: str):
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE_PP2, "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
+            "--deadpool-inject", spec, "--deadpool-event-log", str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, launcher=["--restart-policy", "full"])
+    return result, read_events(str(log))
+
+
+def test_kill_during_training_restarts_from_the_checkpoint_bitwise(tmp_path, baseline):
+    result, events = _restart_run(tmp_path, "kill@3:8")
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    (restart,) = [e for e in events if e["event"] == "job_restart"]
+    assert restart["reason"] == "failure of rank 3"
+    (loaded,) = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert loaded["iteration"] == 5  # replays 6 and 7, then goes on
+
+
+def test_kill_during_a_save_never_loads_the_incomplete_checkpoint(tmp_path, baseline):
+    # Rank 2 dies after writing its shard of iteration 10, before the checkpoint is complete.
+    result, events = _restart_run(tmp_path, "kill@2:10:save")
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    (loaded,) = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert loaded["iteration"] == 5
+
+
+def test_unrecoverable_hot_swap_falls_back_to_the_checkpoint(tmp_path):
+    # DP4, K=1: ranks 1 and 2 (ring neighbours) die together, so rank 1's optimizer shard is
+    # lost from memory; with --save the job restarts from its checkpoint instead of stopping.
+    base = run_job(tmp_path, 4, SHAPE_DP4, name="baseline")
+    assert base.returncode == 0, base.output[-3000:]
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE_DP4, "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+            "--deadpool-inject", "kill@1:5,kill@2:5", "--deadpool-event-log", str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, spares=2)
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == base.losses and result.digest == base.digest
+    assert "falling back to the persistent checkpoint" in result.output
+    events = read_events(str(log))
+    (restart,) = [e for e in events if e["event"] == "job_restart"]
+    assert "was replicated on ranks [2] only" in restart["reason"]
