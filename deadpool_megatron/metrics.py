@@ -49,6 +49,7 @@ class MetricsWriter:
                 "lm_loss": loss,
                 "lm_loss_hex": float.hex(loss),
                 "iteration_ms": round(iteration_ms, 3),
+                "time": time.time(),  # when it finished (benchmarks measure time lost from it)
             }
         )
 

@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Time lost per failure: hot-swap versus checkpoint-restart, same job, same failure, one run.
+
+For each model size, four jobs run back to back on this machine: hot-swap (--deadpool, one
+spare) without and with a failure, and checkpoint-restart (`deadpool-launch --restart-policy
+full`, persistent checkpoints every --save-interval iterations) without and with the same
+failure: the same rank killed in the same iteration. Time lost per failure = (last iteration's
+finish - first iteration's finish) of the failure run minus the same span of its failure-free
+twin, so each strategy's failure-free costs (snapshots, periodic saves) are not counted as
+failure losses; the event logs break
+it down (detect; stop + plan, rebuild communicators, rebuild model, transfer state, verify, first
+iteration, for hot-swap; restart processes, load, replay for checkpoint-restart). Writes JSON
+and a PNG; the last line printed is one JSON object:
+{"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "hotswap_recovery_s",
+ "hotswap_growth_over_sizes", ...}.
+
+    python scripts/bench_recovery.py                      # demo shape TP2xPP2xDP2, 3 sizes
+    python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 64 --iters 30 --fail-at 25 \\
+        --save-interval 10                                 # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deadpool_megatron.events import read_events  # noqa: E402
+
+HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
+                  "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nproc", type=int, default=8, help="worker processes (default 8)")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument(
+        "--hidden-sizes",
+        default="64,128,184",
+        help="model sizes to sweep (default 64,128,184: 8x parameters end to end)",
+    )
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--iters", type=int, default=80, help="iterations per job (default 80)")
+    p.add_argument(
+        "--fail-at",
+        type=int,
+        default=75,
+        help="iteration in which the rank is killed (default 75: 25 after a save)",
+    )
+    p.add_argument("--victim", type=int, default=3, help="rank killed (default 3)")
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        default=50,
+        help="checkpoint-restart's save interval (default 50)",
+    )
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery.json"))
+    a = p.parse_args(argv)
+    a.sizes = [int(h) for h in a.hidden_sizes.split(",")]
+    if not 1 < a.fail_at <= a.iters:
+        p.error(f"--fail-at {a.fail_at} must lie in [2, --iters {a.iters}]")
+    if not 0 <= a.victim < a.nproc:
+        p.error(f"--victim {a.victim} must be a rank in [0, {a.nproc - 1}]")
+    return a
+
+
+def run(a, hidden: int, mode: str, workdir: Path) -> dict:
+    """One job; returns its metrics records, events and wall time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
+    job = ["--config", str(ROOT / "configs" / "demo.yaml"),
+           "--tensor-model-parallel-size", str(a.tp), "--pipeline-model-parallel-size", str(a.pp),
+           "--hidden-size", str(hidden), "--num-layers", str(a.num_layers),
+           "--train-iters", str(a.iters), "--log-interval", "10",
+           "--metrics-jsonl", str(metrics), "--deadpool-event-log", str(events)]  # fmt: skip
+    launcher = ["--nproc-per-node", str(a.nproc)]
+    strategy, failure = mode.rsplit("_", 1)
+    if failure == "failure":
+        job += ["--deadpool-inject", f"kill@{a.victim}:{a.fail_at}"]
+    if strategy == "hotswap":
+        job += ["--deadpool"]
+        launcher += ["--spares", "1"]
+    else:
+        job += ["--save", str(workdir / "ckpt"), "--save-interval", str(a.save_interval)]
+        launcher += ["--restart-policy", "full"]
+    cmd = [sys.executable, "-m", "deadpool_megatron.launch", *launcher,
+           str(ROOT / "pretrain_gpt.py"), *job]  # fmt: skip
+    start = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    (workdir / "job.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} job (hidden {hidden}) failed; see {workdir / 'job.log'}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    its = [r for r in records if "iteration" in r and "lm_loss" in r]
+    last = {}
+    for r in its:  # later lines win: a replayed iteration's last run counts
+        last[r["iteration"]] = r
+    first_done = min(r["time"] for r in its if r["iteration"] == 1)
+    span = max(r["time"] for r in its) - first_done
+    iter_s = statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0
+    final = next(r for r in records if r.get("event") == "final")
+    return {"span_s": span, "iteration_s": iter_s, "wall_s": time.time() - start,
+            "events": read_events(str(events)) if events.exists() else [],
+            "digest": final["state_digest"]}  # fmt: skip
+
+
+def breakdown_hotswap(events: list[dict], iter_s: float) -> dict:
+    phases = {e["phase"]: e["duration_s"] for e in events if e["event"] == "recovery_phase"}
+    done = next(e for e in events if e["event"] == "recovery_done")
+    out = {k: phases.get(k, 0.0) for k in HOTSWAP_PHASES}
+    out["replay"] = done["replayed_iterations"] * iter_s
+    out["recovery_total_s"] = done["total_s"]
+    out["bytes_moved"] = done["bytes_moved"]
+    return out
+
+
+def breakdown_restart(events: list[dict], iter_s: float, fail_at: int) -> dict:
+    injected = next(e for e in events if e["event"] == "fault_injected")["time"]
+    detected = next(e for e in events if e["event"] == "failure_detected")["time"]
+    loaded = next(e for e in events if e["event"] == "checkpoint_loaded")
+    return {
+        "detect": detected - injected,
+        "restart_processes": loaded["time"] - loaded["load_s"] - detected,
+        "load": loaded["load_s"],
+        "replay": (fail_at - 1 - loaded["iteration"]) * iter_s,
+        "loaded_iteration": loaded["iteration"],
+    }
+
+
+def params_of(hidden: int, layers: int, vocab: int = 128, seq: int = 32) -> int:
+    """GPT parameters: per layer 12 h^2 + 13 h, embeddings (vocab + positions) x h."""
+    return layers * (12 * hidden * hidden + 13 * hidden) + (vocab + seq) * hidden + 2 * hidden
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels, hs, cr = [], [], []
+    for r in results:
+        labels.append(f"h={r['hidden_size']}\n{r['parameters'] / 1e6:.2f}M params")
+        hs.append(r["hotswap"]["lost_s"])
+        cr.append(r["ckpt_restart"]["lost_s"])
+    x = range(len(results))
+    ax.bar([i - 0.2 for i in x], cr, width=0.4, label="checkpoint-restart")
+    ax.bar([i + 0.2 for i in x], hs, width=0.4, label="DeadPool hot-swap")
+    for i in x:
+        ax.annotate(f"{cr[i]:.1f} s", (i - 0.2, cr[i]), ha="center", va="bottom", fontsize=8)
+        ax.annotate(f"{hs[i]:.2f} s", (i + 0.2, hs[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("time lost per failure (s)")
+    ax.set_title("One killed rank, same job, same failure point (CPU, gloo)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    work = out.parent / "bench_recovery"
+    results = []
+    for hidden in a.sizes:
+        runs = {m: run(a, hidden, m, work / f"h{hidden}" / m)
+                for m in ("hotswap_free", "hotswap_failure", "ckpt_free", "ckpt_failure")}  # fmt: skip
+        iter_s = runs["hotswap_free"]["iteration_s"]
+        digest = runs["hotswap_free"]["digest"]
+        r = {"hidden_size": hidden, "parameters": params_of(hidden, a.num_layers),
+             "iteration_s": iter_s,
+             "bitwise_equal": {m: run_["digest"] == digest for m, run_ in runs.items()}}  # fmt: skip
+        r["hotswap"] = breakdown_hotswap(runs["hotswap_failure"]["events"], iter_s)
+        r["ckpt_restart"] = breakdown_restart(runs["ckpt_failure"]["events"], iter_s, a.fail_at)
+        r["hotswap"]["lost_s"] = runs["hotswap_failure"]["span_s"] - runs["hotswap_free"]["span_s"]
+        r["ckpt_restart"]["lost_s"] = runs["ckpt_failure"]["span_s"] - runs["ckpt_free"]["span_s"]
+        results.append(r)
+        print(
+            f"hidden {hidden} ({r['parameters'] / 1e6:.2f}M params, {iter_s * 1000:.0f} ms/iter): "
+            f"lost per failure: hot-swap {r['hotswap']['lost_s']:.2f} s (recovery "
+            f"{r['hotswap']['recovery_total_s']:.2f} s: "
+            + ", ".join(f"{k} {r['hotswap'][k]:.3f}" for k in HOTSWAP_PHASES)
+            + f"), checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
+            f"{r['ckpt_restart']['detect']:.3f}, restart {r['ckpt_restart']['restart_processes']:.2f}"
+            f", load {r['ckpt_restart']['load']:.2f}, replay {r['ckpt_restart']['replay']:.2f}); "
+            f"bitwise equal to failure-free: {r['bitwise_equal']}",
+            flush=True,
+        )
+    first, last = results[0], results[-1]
+    summary = {
+        "hotswap_lost_s": first["hotswap"]["lost_s"],
+        "ckpt_restart_lost_s": first["ckpt_restart"]["lost_s"],
+        "ratio": first["ckpt_restart"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
+        "hotswap_recovery_s": first["hotswap"]["recovery_total_s"],
+        "hotswap_growth_over_sizes": last["hotswap"]["recovery_total_s"]
+        / first["hotswap"]["recovery_total_s"]
+        - 1.0,
+        "parameters_ratio": last["parameters"] / first["parameters"],
+        "save_interval": a.save_interval,
+        "shape": f"TP{a.tp}xPP{a.pp}x{a.nproc // (a.tp * a.pp)}DP",
+        "bitwise_equal": all(all(r["bitwise_equal"].values()) for r in results),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "sizes": results}, indent=1))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
