@@ -1,0 +1,1 @@
+"""Failure simulator for long jobs at scale: what hot-swap saves over checkpoint-restart."""
