@@ -9,10 +9,9 @@ end-of-file, the local collective raises, and so does every peer's on the other 
 Peers that were blocked abort their own connections in turn, so the stop spreads along every
 communication edge, and the launcher's recovery order reaches whoever is not blocked.
 
-The connections are the socket descriptors created while one generation's groups were built
-(`record`). Each is checked to still be the same socket (inode) before it is shut down, and a
-connection to the control plane (the store, etcd) is never touched. On NCCL, the groups are
-aborted through torch instead.
+Every TCP connection of the process is cut except the control plane's (the store, etcd, by
+port) and listeners: a pending operation may wait on any group's connection, and the groups are
+all rebuilt anyway. On NCCL, the groups are aborted through torch instead.
 """
 
 from __future__ import annotations
@@ -43,30 +42,31 @@ def _sockets() -> dict[int, str]:
 
 
 class CommunicatorAbort:
-    """The connections of the current generation's process groups, and how to cut them."""
+    """Cut every connection of this process's process groups (all of them: whichever group a
+    pending operation waits on), never the control plane's."""
 
     def __init__(self, control_ports: set[int] | None = None):
         self.control_ports = set(control_ports or ())
-        self._owned: dict[int, str] = {}
         self._lock = threading.Lock()
+        self._recorded: set[str] = set()
         self.aborted = 0  # connections shut down by the last abort()
 
     @contextlib.contextmanager
     def record(self) -> Iterator[None]:
-        """Every socket created inside this block belongs to the generation's groups."""
-        before = _sockets()
+        """Build a generation's groups inside this block: their operations wait normally again,
+        and the sockets they create are known (to report any connection made elsewhere)."""
+        before = set(_sockets().values())
         gloo_p2p.reset()
         try:
             yield
         finally:
-            created = {fd: ino for fd, ino in _sockets().items() if before.get(fd) != ino}
             with self._lock:
-                self._owned.update(created)
+                self._recorded |= set(_sockets().values()) - before
 
     def forget(self) -> None:
         """The groups are gone (destroyed, or aborted and replaced)."""
         with self._lock:
-            self._owned.clear()
+            self._recorded.clear()
 
     def abort(self) -> int:
         """Make every pending collective of this process, and its peers', fail now.
@@ -77,17 +77,14 @@ class CommunicatorAbort:
         if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
             with contextlib.suppress(Exception):
                 dist.distributed_c10d._abort_process_group()
+        n = unrecorded = 0
         with self._lock:
-            owned, self._owned = self._owned, {}
-        current = _sockets()
-        n = 0
-        for fd, inode in owned.items():
-            if current.get(fd) != inode:
-                continue  # gloo closed it already (and the number may have been reused)
+            recorded = set(self._recorded)
+        for fd, inode in _sockets().items():
             try:
                 sock = socket.socket(fileno=fd)
             except OSError:
-                continue  # closed by gloo in the meantime
+                continue  # closed in the meantime
             try:
                 if sock.type != socket.SOCK_STREAM or sock.family not in (
                     socket.AF_INET,
@@ -95,16 +92,21 @@ class CommunicatorAbort:
                 ):
                     continue
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue  # gloo's listener: nothing waits on it
+                    continue  # a listener: nothing waits on it
+                ports = {sock.getsockname()[1]}
                 with contextlib.suppress(OSError):
-                    if sock.getpeername()[1] in self.control_ports:
-                        continue
+                    ports.add(sock.getpeername()[1])
+                if ports & self.control_ports:
+                    continue  # the store, etcd: the recovery needs them
                 sock.shutdown(socket.SHUT_RDWR)
                 n += 1
+                unrecorded += inode not in recorded
             except OSError:
                 pass  # not connected (any more): nothing to break
             finally:
                 sock.detach()  # gloo owns the descriptor and closes it
+        if unrecorded:
+            log.info("%d of the connections cut were not made while building groups", unrecorded)
         self.aborted = n
         if n:
             log.info("aborted communicators: shut down %d connection(s)", n)
