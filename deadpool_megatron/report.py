@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .events import FAILURE_DETECTED, read_events
+from .events import FAILURE_DETECTED, RECOVERY_DONE, RECOVERY_PHASE, read_events
 
 
 def timeline_rows(events: list[dict]) -> list[tuple[str, ...]]:
@@ -28,6 +28,30 @@ def timeline_rows(events: list[dict]) -> list[tuple[str, ...]]:
             (f"{e['time'] - t0:9.3f}", e["event"], str(e.get("generation", 0)), rank, detail)
         )
     return rows
+
+
+def recovery_summaries(events: list[dict]) -> list[dict]:
+    """Pure: one summary per finished recovery, with its phases in the order they ran."""
+    out, phases = [], {}
+    for e in sorted(events, key=lambda e: e["time"]):
+        if e["event"] == RECOVERY_PHASE:
+            phases.setdefault(e["generation"], {})[e["phase"]] = e["duration_s"]
+        elif e["event"] == RECOVERY_DONE:
+            out.append({**e, "phases": phases.get(e["generation"], {})})
+    return out
+
+
+def format_recoveries(summaries: list[dict]) -> str:
+    lines = []
+    for r in summaries:
+        replaced = ", ".join(f"rank {k} -> {v}" for k, v in r["replaced"].items()) or "in place"
+        lines.append(
+            f"recovery into generation {r['generation']} ({replaced}): {r['total_s']:.2f} s from "
+            f"the failure to the first resumed iteration, {r['replayed_iterations']} "
+            f"iteration(s) re-executed, {r['bytes_moved'] / 2**20:.2f} MiB moved; "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items())
+        )
+    return "\n".join(lines)
 
 
 def format_table(rows: list[tuple[str, ...]]) -> str:
@@ -78,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deadpool-report: {args.event_log} holds no events")
         return 0
     print(format_table(timeline_rows(events)))
+    recoveries = format_recoveries(recovery_summaries(events))
+    if recoveries:
+        print(recoveries)
     png = args.png or args.event_log.rsplit(".", 1)[0] + ".png"
     plot_timeline(events, png)
     print(f"timeline picture: {png}")

@@ -20,7 +20,7 @@ import types
 
 import torch
 
-from . import gloo_p2p
+from . import gloo_ops
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def _build_torch_view() -> types.ModuleType:
     for name in _FACTORIES:
         setattr(view, name, _cpu_factory(getattr(torch, name)))
     view.cuda = _build_cuda_view()
-    view.distributed = gloo_p2p.distributed_view()  # pipeline sends a recovery can interrupt
+    view.distributed = gloo_ops.distributed_view()  # operations a recovery can interrupt
     return view
 
 

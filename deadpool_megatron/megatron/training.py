@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..config import JobConfig, data_parallel_size
 from ..metrics import MetricsWriter, iteration_line
-from . import checkpointing
+from . import checkpointing, gloo_ops
 from .data import build_corpus, get_micro_batch, micro_batch_indices
 from .digest import state_digest
 from .model import TrainState
@@ -64,6 +64,8 @@ class Trainer:
         self.pipeline = None  # DeadPool's protection pipeline, when --deadpool is on
         self.fire = _no_fault  # fault injection: fire(iteration, phase)
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+        # On gloo, collectives a recovery can interrupt (megatron-core gets the same view).
+        self.dist = dist if on_gpu else gloo_ops.distributed_view()
         self.metrics = MetricsWriter(cfg.logging.metrics_jsonl if self.is_logging_rank else None)
         self.attach(state)
 
@@ -123,7 +125,7 @@ class Trainer:
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return None
         loss = torch.stack([x["lm loss"] for x in losses]).mean()
-        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        self.dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         return (loss / self.dp_size).item()
 
     def train(self, on_iteration=None) -> None:

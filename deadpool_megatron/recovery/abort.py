@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from ..megatron import gloo_p2p
+from ..megatron import gloo_ops
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -56,7 +56,7 @@ class CommunicatorAbort:
         """Build a generation's groups inside this block: their operations wait normally again,
         and the sockets they create are known (to report any connection made elsewhere)."""
         before = set(_sockets().values())
-        gloo_p2p.reset()
+        gloo_ops.reset()
         try:
             yield
         finally:
@@ -73,7 +73,7 @@ class CommunicatorAbort:
 
         Safe from any thread, idempotent; returns the number of connections shut down.
         """
-        gloo_p2p.abort_pending()  # pipeline sends gloo would not wake
+        gloo_ops.abort_pending()  # operations gloo would not wake
         if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
             with contextlib.suppress(Exception):
                 dist.distributed_c10d._abort_process_group()

@@ -3,7 +3,13 @@
 import json
 
 from deadpool_megatron.events import FAILURE_DETECTED, FENCED, EventLog, read_events
-from deadpool_megatron.report import format_table, main, timeline_rows
+from deadpool_megatron.report import (
+    format_recoveries,
+    format_table,
+    main,
+    recovery_summaries,
+    timeline_rows,
+)
 
 
 def test_two_writers_append_whole_lines(tmp_path):
@@ -46,3 +52,19 @@ def test_report_cli_writes_a_png_and_names_a_missing_file(tmp_path, capsys):
     assert "failure_detected" in capsys.readouterr().out
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl' does not exist" in capsys.readouterr().err
+
+
+def test_recovery_summary_lists_phases_in_order():
+    events = [
+        {"time": 1.0, "event": "recovery_phase", "generation": 1, "rank": None,
+         "phase": "detect", "duration_s": 0.05},
+        {"time": 1.0, "event": "recovery_phase", "generation": 1, "rank": None,
+         "phase": "transfer_state", "duration_s": 0.02},
+        {"time": 1.1, "event": "recovery_done", "generation": 1, "rank": None, "total_s": 0.6,
+         "replayed_iterations": 1, "bytes_moved": 2**20, "replaced": {"3": "spare-0"}},
+    ]  # fmt: skip
+    (summary,) = recovery_summaries(events)
+    assert list(summary["phases"]) == ["detect", "transfer_state"]
+    text = format_recoveries([summary])
+    assert text.startswith("recovery into generation 1 (rank 3 -> spare-0): 0.60 s")
+    assert "1 iteration(s) re-executed, 1.00 MiB moved; detect 0.050 s" in text
