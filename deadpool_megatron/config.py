@@ -156,6 +156,12 @@ class DeadpoolConfig:
     deadpool_heartbeat_timeout: float = knob(
         2.0, "Seconds without a heartbeat after which a rank counts as hung and is fenced."
     )
+    deadpool_health_check_interval: float = knob(
+        5.0,
+        "Seconds between device health checks (a fixed computation compared bit for bit with "
+        "its start-up result); a failed check makes the rank unfit and a spare replaces it. "
+        "0 turns them off.",
+    )
     deadpool_inject: str | None = knob(
         None,
         "Faults to inject, SPEC[,SPEC...]: kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], "
@@ -458,6 +464,11 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
     from .failure.inject import parse_faults
 
     check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
+    _require(
+        dpc.deadpool_health_check_interval >= 0,
+        f"--deadpool-health-check-interval={dpc.deadpool_health_check_interval} must be 0 (off) "
+        "or a positive number of seconds",
+    )
     if dpc.deadpool_store == "etcd":
         from .control.etcd_store import parse_endpoints
 

@@ -24,6 +24,7 @@ from ..failure.classify import (
 from ..failure.evidence import (
     CollectiveError,
     Evidence,
+    HealthCheckFailed,
     InjectedTransient,
     ProcessExited,
     is_peer_loss_message,
@@ -134,6 +135,8 @@ class Monitor:
             r = json.loads(raw)
             if r["kind"] == "injected_transient":
                 self._reports[rank] = InjectedTransient(rank, r["at"])
+            elif r["kind"] == "health_check":
+                self._reports[rank] = HealthCheckFailed(rank, r["message"], r["at"])
             else:
                 self._reports[rank] = CollectiveError(rank, r["message"], r["at"])
 

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 from ..errors import ConfigError
 
-ACTIONS = ("kill", "hang", "raise")  # raise = transient: the process stays alive
+# raise = transient: the process stays alive; unhealthy: its device fails the health check
+ACTIONS = ("kill", "hang", "raise", "unhealthy")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save")
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
@@ -24,7 +25,8 @@ DEFAULT_PHASE = "forward"
 
 GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
-    "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE] "
+    "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE], "
+    "unhealthy@RANK:ITER[:PHASE] "
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), kill-spare@INDEX:ITER; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )

@@ -2,7 +2,8 @@
 
 kill: SIGKILL to itself (the process dies as a node would); hang: SIGSTOP to itself (every
 thread stops, heartbeats included, as a hung node would); raise: an `InjectedFault` exception
-in the training thread (a transient error: the process stays alive and healthy). The time of
+in the training thread (a transient error: the process stays alive and healthy); unhealthy:
+its device fails every health check from then on (alive and beating, but unfit). The time of
 each injection is reported first, so detection latency can be measured from it.
 """
 
@@ -40,6 +41,7 @@ class FaultInjector:
         # failed iteration and must not fail again (the launcher's store arbitrates).
         self._claim = claim
         self._fired: set[Fault] = set()
+        self.on_unhealthy = None  # set by whoever runs the health checks
 
     def fire(self, iteration: int, phase: str) -> None:
         """Called at each phase of each iteration; does nothing unless a fault is due."""
@@ -59,5 +61,8 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif fault.action == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.action == "unhealthy":
+                if self.on_unhealthy is not None:
+                    self.on_unhealthy()  # the device fails its health checks from now on
             else:
                 raise InjectedFault(f"injected transient fault {fault}")

@@ -7,6 +7,7 @@ import logging
 import time
 
 import psutil
+import torch
 import torch.distributed as dist
 
 from ..config import JobConfig
@@ -125,6 +126,7 @@ class WorkerControl:
         faults = parse_faults(cfg.deadpool.deadpool_inject or "")
         self.injector = FaultInjector(faults, env.rank, self._injected, self.client.claim_fault)
         self.hotswap = HotSwap(cfg, env, self.client, store, self._report, self.injector.fire)
+        self.health = None  # started after the first iteration, with the heartbeats
         if cfg.deadpool.deadpool and client is None:
             self.hotswap.start_watching()
 
@@ -148,7 +150,24 @@ class WorkerControl:
         self.client.iteration = trainer.iteration
         if self.cfg.deadpool.deadpool:  # after the first iteration: warm-up is over
             self.client.start_heartbeats(self.cfg.deadpool.deadpool_heartbeat_interval)
+            self._start_health_checks(trainer)
             self.hotswap.after_iteration(trainer)
+
+    def _start_health_checks(self, trainer: Trainer) -> None:
+        from ..failure.health import HealthCheck, HealthChecker
+
+        interval = self.cfg.deadpool.deadpool_health_check_interval
+        if self.health is not None or not interval:
+            return
+        device = torch.device("cuda", torch.cuda.current_device()) if trainer.on_gpu else "cpu"
+        check = HealthCheck(torch.device(device))
+        self.injector.on_unhealthy = lambda: setattr(check, "broken", True)
+        self.health = HealthChecker(check, interval, self._unfit)
+        self.health.start()
+
+    def _unfit(self, reason: str) -> None:
+        log.error("health check failed: %s; reported to the launcher", reason)
+        self.client.report_failure("health_check", reason)
 
     def _report(self, err: BaseException) -> None:
         from ..failure.injector import InjectedFault
@@ -167,6 +186,8 @@ class WorkerControl:
         return 1
 
     def close(self) -> None:
+        if self.health is not None:
+            self.health.stop()
         self.client.close()
         self.events.close()
 

@@ -175,3 +175,20 @@ def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, b
     _assert_same_run(result, baseline_dp4)
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"1": "spare-0", "2": "spare-1"}
+
+
+def test_rank_failing_its_health_check_is_fenced_and_replaced(tmp_path):
+    # Rank 1's device starts computing wrong results in iteration 5: it is alive and beating,
+    # but unfit, so it is killed and a spare takes its place.
+    shape = [*SHAPE_PP2, "--train-iters", "30", "--deadpool-health-check-interval", "0.3"]
+    base = run_job(tmp_path, 4, shape, name="baseline")
+    assert base.returncode == 0, base.output[-3000:]
+    result, events = _run(tmp_path, 4, shape, "unhealthy@1:5", spares=1)
+    _assert_same_run(result, base)
+    (detected,) = _named(events, "failure_detected")
+    assert (detected["rank"], detected["kind"]) == (1, "permanent")
+    assert detected["evidence"] == "HealthCheckFailed"
+    (fenced,) = _named(events, "fenced")
+    assert fenced["rank"] == 1
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"1": "spare-0"}
