@@ -4,10 +4,13 @@
 For each model size, four jobs run back to back on this machine: hot-swap (--deadpool, one
 spare) without and with a failure, and checkpoint-restart (`deadpool-launch --restart-policy
 full`, persistent checkpoints every --save-interval iterations) without and with the same
-failure: the same rank killed in the same iteration. Time lost per failure = (last iteration's
-finish - first iteration's finish) of the failure run minus the same span of its failure-free
-twin, so each strategy's failure-free costs (snapshots, periodic saves) are not counted as
-failure losses; the event logs break
+failure: the same rank killed in the same iteration. A run's unexplained time is its span
+(first iteration's finish to last iteration's finish) minus the durations of the iterations
+that count (each iteration's last run); time lost per failure = the failure run's unexplained
+time minus its failure-free twin's. Measured within each run, it does not depend on how fast
+this shared machine computed in either (a plain difference of spans swings by seconds), and
+each strategy's failure-free costs (snapshots, periodic saves) are not counted as failure
+losses; the event logs break
 it down (detect; stop + plan, rebuild communicators, rebuild model, transfer state, verify, first
 iteration, for hot-swap; restart processes, load, replay for checkpoint-restart). Writes JSON
 and a PNG; the last line printed is one JSON object:
@@ -64,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="checkpoint-restart's save interval (default 50)",
     )
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery.json"))
+    p.add_argument("--reuse", action="store_true",
+                   help="re-analyse the jobs a previous run left in its work folder")  # fmt: skip
     a = p.parse_args(argv)
     a.sizes = [int(h) for h in a.hidden_sizes.split(",")]
     if not 1 < a.fail_at <= a.iters:
@@ -95,10 +100,13 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", *launcher,
            str(ROOT / "pretrain_gpt.py"), *job]  # fmt: skip
     start = time.time()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    (workdir / "job.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise SystemExit(f"{mode} job (hidden {hidden}) failed; see {workdir / 'job.log'}")
+    if not (a.reuse and metrics.exists()):
+        metrics.unlink(missing_ok=True)
+        events.unlink(missing_ok=True)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        (workdir / "job.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise SystemExit(f"{mode} job (hidden {hidden}) failed; see {workdir / 'job.log'}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     its = [r for r in records if "iteration" in r and "lm_loss" in r]
     last = {}
@@ -106,9 +114,11 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         last[r["iteration"]] = r
     first_done = min(r["time"] for r in its if r["iteration"] == 1)
     span = max(r["time"] for r in its) - first_done
+    useful = sum(r["iteration_ms"] for i, r in last.items() if i > 1) / 1000.0
     iter_s = statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0
     final = next(r for r in records if r.get("event") == "final")
-    return {"span_s": span, "iteration_s": iter_s, "wall_s": time.time() - start,
+    return {"span_s": span, "unexplained_s": span - useful, "iteration_s": iter_s,
+            "wall_s": time.time() - start,
             "events": read_events(str(events)) if events.exists() else [],
             "digest": final["state_digest"]}  # fmt: skip
 
@@ -182,8 +192,10 @@ def main(argv=None) -> int:
              "bitwise_equal": {m: run_["digest"] == digest for m, run_ in runs.items()}}  # fmt: skip
         r["hotswap"] = breakdown_hotswap(runs["hotswap_failure"]["events"], iter_s)
         r["ckpt_restart"] = breakdown_restart(runs["ckpt_failure"]["events"], iter_s, a.fail_at)
-        r["hotswap"]["lost_s"] = runs["hotswap_failure"]["span_s"] - runs["hotswap_free"]["span_s"]
-        r["ckpt_restart"]["lost_s"] = runs["ckpt_failure"]["span_s"] - runs["ckpt_free"]["span_s"]
+        for key, mode in (("hotswap", "hotswap"), ("ckpt_restart", "ckpt")):
+            failed, free = runs[f"{mode}_failure"], runs[f"{mode}_free"]
+            r[key]["lost_s"] = failed["unexplained_s"] - free["unexplained_s"]
+            r[key]["span_difference_s"] = failed["span_s"] - free["span_s"]  # noisier
         results.append(r)
         print(
             f"hidden {hidden} ({r['parameters'] / 1e6:.2f}M params, {iter_s * 1000:.0f} ms/iter): "

@@ -48,13 +48,13 @@ from ..errors import DeadpoolError
 from ..failure.evidence import EXIT_BLOCKED
 from ..megatron import parallel
 from ..megatron.checkpointing import materialize_optimizer_state
+from ..megatron.groups import live_groups, stale_groups
 from ..megatron.hooks import build_pipeline
 from ..megatron.model import build_train_state
 from ..megatron.shard import RankState
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
-from .groups import live_groups, stale_groups
 from .plan import RankHoldings, RecoveryPlan, check_plan, decode_plan, encode_holdings
 
 log = logging.getLogger("deadpool.recovery")
