@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 mkdir -p runs
-rm -f runs/demo_events.jsonl
+rm -f runs/demo_events.jsonl runs/demo.jsonl
 .venv/bin/deadpool-launch --nproc-per-node 8 --spares 1 \
   pretrain_gpt.py --config configs/demo.yaml --deadpool --deadpool-inject kill@5:20 \
   --deadpool-event-log runs/demo_events.jsonl --metrics-jsonl runs/demo.jsonl "$@"
