@@ -121,6 +121,11 @@ class CheckpointConfig:
     save: str | None = knob(None, "Directory to write persistent checkpoints to.")
     load: str | None = knob(None, "Directory to resume from (the newest complete checkpoint).")
     save_interval: int | None = knob(None, "Iterations between persistent checkpoints.")
+    async_save: bool = knob(
+        False,
+        "Write persistent checkpoints in a background process (megatron-core's asynchronous "
+        "save); a checkpoint becomes the one --load uses only once every rank has written it.",
+    )
 
 
 @dataclass
@@ -440,6 +445,7 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
                 f"Megatron indexed dataset (PREFIX.bin and PREFIX.idx), e.g. one written by "
                 f"scripts/preprocess_data.py",
             )
+    _require(not c.async_save or bool(c.save), "--async-save needs --save DIR")
     if c.save_interval is not None:
         _require(
             c.save_interval >= 1, f"--save-interval={c.save_interval} must be a positive integer"

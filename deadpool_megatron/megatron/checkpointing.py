@@ -81,9 +81,13 @@ def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> 
     return sd
 
 
-def save(cfg: JobConfig, state: TrainState, iteration: int, before_commit=None) -> str:
+def save(
+    cfg: JobConfig, state: TrainState, iteration: int, before_commit=None, async_queue=None
+) -> str:
     """Collective: every rank writes its shard; the tracker moves only when all are done.
-    `before_commit()` runs once the shards are written (fault injection: phase "save")."""
+    `before_commit()` runs once the shards are written (fault injection: phase "save"). With
+    an `AsyncCallsQueue` the shards are written by a background process and the commit runs
+    when the queue finalizes the save (every rank, in step)."""
     root = cfg.checkpoint.save
     path = checkpoint_dir(root, iteration)
     start = time.perf_counter()
@@ -92,9 +96,20 @@ def save(cfg: JobConfig, state: TrainState, iteration: int, before_commit=None) 
     dist.barrier()
     # One writer per rank: on a CPU node every core already runs a rank.
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if is_cpu() else 2)
-    dist_checkpointing.save(
-        _sharded_state_dict(state, iteration, is_loading=False), path, sharded_strategy=strategy
-    )
+    sharded = _sharded_state_dict(state, iteration, is_loading=False)
+    if async_queue is not None:
+        request = dist_checkpointing.save(
+            sharded, path, sharded_strategy=strategy, async_sharded_save=True
+        )
+        request.add_finalize_fn(lambda: _commit(root, iteration, path, start, before_commit))
+        async_queue.schedule_async_request(request)
+        return path
+    dist_checkpointing.save(sharded, path, sharded_strategy=strategy)
+    _commit(root, iteration, path, start, before_commit)
+    return path
+
+
+def _commit(root: str, iteration: int, path: str, start: float, before_commit) -> None:
     if before_commit is not None:
         before_commit()
     dist.barrier()
@@ -111,7 +126,15 @@ def save(cfg: JobConfig, state: TrainState, iteration: int, before_commit=None) 
         "saved checkpoint at iteration %d to %s in %.2f s",
         iteration, path, time.perf_counter() - start,
     )  # fmt: skip
-    return path
+
+
+def async_queue(cfg: JobConfig):
+    """megatron-core's queue of asynchronous saves, when --async-save asks for one."""
+    if not cfg.checkpoint.async_save:
+        return None
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue()
 
 
 def load(cfg: JobConfig, state: TrainState) -> int:

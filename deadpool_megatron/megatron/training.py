@@ -62,6 +62,7 @@ class Trainer:
         )
         self.iteration = 0
         self.pipeline = None  # DeadPool's protection pipeline, when --deadpool is on
+        self.async_queue = checkpointing.async_queue(cfg)  # --async-save
         self.fire = _no_fault  # fault injection: fire(iteration, phase)
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
         # On gloo, collectives a recovery can interrupt (megatron-core gets the same view).
@@ -156,11 +157,26 @@ class Trainer:
                             tokens / (elapsed_ms / 1000.0),
                         )
                     )
+            if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
+                self.async_queue.maybe_finalize_async_calls(blocking=False)
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 it = self.iteration
-                checkpointing.save(self.cfg, self.state, it, lambda it=it: self.fire(it, "save"))
+                checkpointing.save(
+                    self.cfg, self.state, it, lambda it=it: self.fire(it, "save"), self.async_queue
+                )
             if on_iteration is not None:
                 on_iteration(self)
+
+    def finalize_saves(self) -> None:
+        """Wait for every asynchronous save to be written and committed (all ranks)."""
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=True)
+
+    def abandon_saves(self) -> None:
+        """After a failure: saves in flight are never committed (their finalization needs the
+        old generation's groups), so --load never sees them; start a fresh queue."""
+        if self.async_queue is not None:
+            self.async_queue = checkpointing.async_queue(self.cfg)
 
     def protection_summary(self) -> str:
         p = self.pipeline

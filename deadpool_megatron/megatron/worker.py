@@ -90,6 +90,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
                 control.close()
                 return 1
             control.wire(trainer)
+    trainer.finalize_saves()
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
         checkpointing.save(cfg, trainer.state, trainer.iteration)

@@ -314,6 +314,7 @@ class HotSwap:
         old_groups = live_groups() if verify_groups else []  # held: their ids stay unique
         if trainer is not None:
             trainer.state = None  # the old model, DDP and optimizer hold the old groups
+            trainer.abandon_saves()
         parallel.destroy_distributed()
         self.abort.forget()
         self._rendezvous(generation)

@@ -66,3 +66,20 @@ def test_unrecoverable_hot_swap_falls_back_to_the_checkpoint(tmp_path):
     events = read_events(str(log))
     (restart,) = [e for e in events if e["event"] == "job_restart"]
     assert "was replicated on ranks [2] only" in restart["reason"]
+
+
+def test_async_save_restarts_from_a_committed_checkpoint_bitwise(tmp_path):
+    # Checkpoints are written by background processes and committed a few iterations later;
+    # the restart loads the newest committed one (never one still being written).
+    shape = [*SHAPE_PP2, "--train-iters", "40"]
+    base = run_job(tmp_path, 4, shape, name="baseline")
+    assert base.returncode == 0, base.output[-3000:]
+    log = tmp_path / "events.jsonl"
+    args = [*shape, "--save", str(tmp_path / "ckpt"), "--save-interval", "5", "--async-save",
+            "--deadpool-inject", "kill@3:30", "--deadpool-event-log", str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, launcher=["--restart-policy", "full"])
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == base.losses and result.digest == base.digest
+    (loaded,) = [e for e in read_events(str(log)) if e["event"] == "checkpoint_loaded"]
+    assert loaded["iteration"] in (5, 10, 15, 20, 25), loaded
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "40"
