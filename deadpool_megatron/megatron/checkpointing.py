@@ -11,6 +11,7 @@ identically.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -81,6 +82,15 @@ def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> 
     return sd
 
 
+# megatron-core >= 0.17 defaults asynchronous saves to nvidia-resiliency-ext's writer; this file
+# drives megatron-core's own AsyncCallsQueue, so it asks for that one where there is a choice.
+_MCORE_ASYNC = (
+    {"async_strategy": "mcore"}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters
+    else {}
+)
+
+
 def save(
     cfg: JobConfig, state: TrainState, iteration: int, before_commit=None, async_queue=None
 ) -> str:
@@ -99,7 +109,7 @@ def save(
     sharded = _sharded_state_dict(state, iteration, is_loading=False)
     if async_queue is not None:
         request = dist_checkpointing.save(
-            sharded, path, sharded_strategy=strategy, async_sharded_save=True
+            sharded, path, sharded_strategy=strategy, async_sharded_save=True, **_MCORE_ASYNC
         )
         request.add_finalize_fn(lambda: _commit(root, iteration, path, start, before_commit))
         async_queue.schedule_async_request(request)
