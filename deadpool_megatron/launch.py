@@ -35,7 +35,7 @@ from .control.store import StoreUnreachable
 from .control.tcp_store import TcpKVStore
 from .errors import ConfigError
 from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, JOB_RESTART, SPARE_LOST, EventLog
-from .failure.classify import describe
+from .failure.classify import Decision, describe
 from .failure.evidence import HeartbeatStale, ProcessExited, describe_exit
 from .failure.inject import parse_faults
 from .logging_setup import setup_logging
@@ -430,7 +430,7 @@ class Launcher:
         Returns an exit status only when the job cannot go on."""
         c = detection.classification
         child = workers[c.rank]
-        permanent = set() if c.kind.value == "transient" else {c.rank}
+        permanent = set() if c.kind is Decision.TRANSIENT else {c.rank}
         fence_s = 0.0
         if permanent:
             t = time.time()

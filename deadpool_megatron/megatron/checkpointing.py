@@ -138,7 +138,7 @@ def _commit(root: str, iteration: int, path: str, start: float, before_commit) -
     )  # fmt: skip
 
 
-def async_queue(cfg: JobConfig):
+def new_async_queue(cfg: JobConfig):
     """megatron-core's queue of asynchronous saves, when --async-save asks for one."""
     if not cfg.checkpoint.async_save:
         return None

@@ -62,7 +62,7 @@ class Trainer:
         )
         self.iteration = 0
         self.pipeline = None  # DeadPool's protection pipeline, when --deadpool is on
-        self.async_queue = checkpointing.async_queue(cfg)  # --async-save
+        self.async_queue = checkpointing.new_async_queue(cfg)  # --async-save
         self.fire = _no_fault  # fault injection: fire(iteration, phase)
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
         # On gloo, collectives a recovery can interrupt (megatron-core gets the same view).
@@ -176,7 +176,7 @@ class Trainer:
         """After a failure: saves in flight are never committed (their finalization needs the
         old generation's groups), so --load never sees them; start a fresh queue."""
         if self.async_queue is not None:
-            self.async_queue = checkpointing.async_queue(self.cfg)
+            self.async_queue = checkpointing.new_async_queue(self.cfg)
 
     def protection_summary(self) -> str:
         p = self.pipeline

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
@@ -40,10 +39,9 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
     store = open_store(env)
     control = _attach_control(cfg, env, store, takeover)
     if takeover is None:
-        with control.hotswap.abort.record() if control else contextlib.nullcontext():
-            on_gpu = parallel.init_distributed(
-                cfg, env.rank, env.world_size, store, prefix=parallel.store_prefix(env.job_id, 0)
-            )
+        on_gpu = parallel.init_distributed(
+            cfg, env.rank, env.world_size, store, prefix=parallel.store_prefix(env.job_id, 0)
+        )
         tp, pp, dp = parallel.coordinates()
         log.info(
             "rank %d/%d up: tp=%d pp=%d dp=%d, backend %s",
@@ -60,8 +58,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
         if cfg.deadpool.deadpool:
             from .hooks import build_pipeline
 
-            with control.hotswap.abort.record() if control else contextlib.nullcontext():
-                trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
+            trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
     else:
         _, generation = takeover
         trainer = control.hotswap.take_over(

@@ -20,8 +20,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
-from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -47,26 +45,10 @@ class CommunicatorAbort:
 
     def __init__(self, control_ports: set[int] | None = None):
         self.control_ports = set(control_ports or ())
-        self._lock = threading.Lock()
-        self._recorded: set[str] = set()
-        self.aborted = 0  # connections shut down by the last abort()
 
-    @contextlib.contextmanager
-    def record(self) -> Iterator[None]:
-        """Build a generation's groups inside this block: their operations wait normally again,
-        and the sockets they create are known (to report any connection made elsewhere)."""
-        before = set(_sockets().values())
+    def rearm(self) -> None:
+        """New groups are about to be built: their operations wait normally again."""
         gloo_ops.reset()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._recorded |= set(_sockets().values()) - before
-
-    def forget(self) -> None:
-        """The groups are gone (destroyed, or aborted and replaced)."""
-        with self._lock:
-            self._recorded.clear()
 
     def abort(self) -> int:
         """Make every pending collective of this process, and its peers', fail now.
@@ -77,10 +59,8 @@ class CommunicatorAbort:
         if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
             with contextlib.suppress(Exception):
                 dist.distributed_c10d._abort_process_group()
-        n = unrecorded = 0
-        with self._lock:
-            recorded = set(self._recorded)
-        for fd, inode in _sockets().items():
+        n = 0
+        for fd in _sockets():
             try:
                 sock = socket.socket(fileno=fd)
             except OSError:
@@ -100,14 +80,10 @@ class CommunicatorAbort:
                     continue  # the store, etcd: the recovery needs them
                 sock.shutdown(socket.SHUT_RDWR)
                 n += 1
-                unrecorded += inode not in recorded
             except OSError:
                 pass  # not connected (any more): nothing to break
             finally:
                 sock.detach()  # gloo owns the descriptor and closes it
-        if unrecorded:
-            log.info("%d of the connections cut were not made while building groups", unrecorded)
-        self.aborted = n
         if n:
             log.info("aborted communicators: shut down %d connection(s)", n)
         return n

@@ -316,16 +316,15 @@ class HotSwap:
             trainer.state = None  # the old model, DDP and optimizer hold the old groups
             trainer.abandon_saves()
         parallel.destroy_distributed()
-        self.abort.forget()
         self._rendezvous(generation)
-        with self.abort.record():
-            on_gpu = parallel.init_distributed(
-                self.cfg,
-                self.env.rank,
-                self.env.world_size,
-                self.store,
-                prefix=parallel.store_prefix(self.job, generation),
-            )
+        self.abort.rearm()
+        on_gpu = parallel.init_distributed(
+            self.cfg,
+            self.env.rank,
+            self.env.world_size,
+            self.store,
+            prefix=parallel.store_prefix(self.job, generation),
+        )
         phases["rebuild_communicators"] = time.perf_counter() - t
         t = time.perf_counter()
         state = build_train_state(self.cfg, on_gpu)
@@ -346,8 +345,7 @@ class HotSwap:
         phases["verify"] = time.perf_counter() - t
         t = time.perf_counter()
         trainer.iteration = plan.iteration
-        with self.abort.record():
-            trainer.pipeline = build_pipeline(self.cfg, state, self.env, on_gpu, generation)
+        trainer.pipeline = build_pipeline(self.cfg, state, self.env, on_gpu, generation)
         trainer.pipeline.after_step(plan.iteration)  # the new generation protects itself
         phases["rebuild_pipeline"] = time.perf_counter() - t
         checked = None

@@ -37,23 +37,19 @@ def run_seeds(p: SimParams, strategy: str, seeds: int, first_seed: int = 0) -> l
 
 def compare(p: SimParams, seeds: int, first_seed: int = 0) -> dict:
     """Hours lost to failures under each strategy, and hot-swap's share of checkpoint-restart's."""
-    out = {}
+    out, runs = {}, {}
     for strategy in ("ckpt_restart", "hotswap"):
-        runs = run_seeds(p, strategy, seeds, first_seed)
+        runs[strategy] = run_seeds(p, strategy, seeds, first_seed)
         out[strategy] = {
-            "lost_h": estimate([r.lost_s / 3600 for r in runs]),
-            "overhead_h": estimate([r.overhead_s / 3600 for r in runs]),
-            "wall_h": estimate([r.wall_s / 3600 for r in runs]),
-            "failures": estimate([float(r.failures) for r in runs]),
-            "fallbacks": estimate([float(r.fallbacks) for r in runs]),
+            "lost_h": estimate([r.lost_s / 3600 for r in runs[strategy]]),
+            "overhead_h": estimate([r.overhead_s / 3600 for r in runs[strategy]]),
+            "wall_h": estimate([r.wall_s / 3600 for r in runs[strategy]]),
+            "failures": estimate([float(r.failures) for r in runs[strategy]]),
+            "fallbacks": estimate([float(r.fallbacks) for r in runs[strategy]]),
         }
     ratios = [
         h.lost_s / c.lost_s
-        for h, c in zip(
-            run_seeds(p, "hotswap", seeds, first_seed),
-            run_seeds(p, "ckpt_restart", seeds, first_seed),
-            strict=True,
-        )
+        for h, c in zip(runs["hotswap"], runs["ckpt_restart"], strict=True)
         if c.lost_s > 0
     ]
     out["hotswap_share_of_lost"] = estimate(ratios) if ratios else Estimate(math.nan, math.nan)
