@@ -20,6 +20,14 @@ SHAPE = ["--config", str(ROOT / "configs" / "demo.yaml"), "--tensor-model-parall
          "--deadpool-heartbeat-timeout", "2.0"]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The failure-free run the jobs that recover are compared with, bit for bit."""
+    result = run_job(tmp_path_factory.mktemp("base"), 4, [*SHAPE, "--train-iters", "40"])
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
 def _inject(tmp_path, spec: str, iters: int = 40, spares: int = 0):
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--train-iters", str(iters), "--deadpool-inject", spec,
@@ -61,11 +69,12 @@ def test_hang_is_detected_within_timeout_plus_one_second_and_fenced(tmp_path):
 
 
 @pytest.mark.parametrize("phase", ["optimizer", "replicate"])
-def test_raise_is_classified_transient(tmp_path, phase):
+def test_raise_is_classified_transient(tmp_path, baseline, phase):
     # In the replicate phase the error is raised in the replication thread, which the
     # training thread never sees: the thread reports it itself.
     result, events = _inject(tmp_path, f"raise@1:4:{phase}")
     assert result.returncode == 0, result.output[-3000:]  # reset in place, no spare needed
+    assert result.losses == baseline.losses and result.digest == baseline.digest
     detected = _only(events, "failure_detected")
     assert detected["rank"] == 1 and detected["kind"] == "transient"
     assert detected["evidence"] == "InjectedTransient"
@@ -85,7 +94,7 @@ def test_healthy_job_is_never_accused_and_a_dead_spare_leaves_the_pool(tmp_path)
     assert "spare 1: job finished, exiting" in result.output
 
 
-def test_heartbeats_and_membership_through_etcd(tmp_path, etcd_url):
+def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     job = f"etcd-{tmp_path.name[-12:]}"
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--train-iters", "40", "--deadpool-inject", "hang@1:5",
@@ -93,6 +102,7 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, etcd_url):
             "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job])
     assert result.returncode == 0, result.output[-3000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
     detected = _only(events, "failure_detected")
     assert (detected["rank"], detected["evidence"]) == (1, "HeartbeatStale")
