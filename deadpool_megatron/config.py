@@ -159,7 +159,26 @@ class DeadpoolConfig:
         0.5, "Seconds between heartbeats (they start after the first iteration)."
     )
     deadpool_heartbeat_timeout: float = knob(
-        2.0, "Seconds without a heartbeat after which a rank counts as hung and is fenced."
+        2.0,
+        "Seconds without a heartbeat after which a rank is suspected. A late heartbeat alone "
+        "never fences a rank: it is hung only if the OS also reports it stopped for this long "
+        "(detected in this time) or it shows no progress for --deadpool-hang-timeout.",
+    )
+    deadpool_hang_timeout: float = knob(
+        60.0,
+        "Seconds a rank whose heartbeat is late may go without progress (its training loop "
+        "crossing a phase boundary) before it counts as hung and is fenced: the detection time "
+        "of a hang that does not stop the process (a deadlock holding the GIL). A phase's limit "
+        "grows to --deadpool-hang-timeout-factor x the longest that phase has taken.",
+    )
+    deadpool_hang_timeout_factor: float = knob(
+        5.0, "Multiple of the longest observed duration of a phase that the phase may take."
+    )
+    deadpool_slow_phase_timeout: float = knob(
+        600.0,
+        "Seconds without progress allowed in phases known to be slow: checkpoint saves, the "
+        "first two iterations of a process, and a recovery (also how long a process waits for "
+        "a recovery's order, plan and rendezvous).",
     )
     deadpool_health_check_interval: float = knob(
         5.0,
@@ -170,7 +189,11 @@ class DeadpoolConfig:
     deadpool_inject: str | None = knob(
         None,
         "Faults to inject, SPEC[,SPEC...]: kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], "
-        "raise@RANK:ITER[:PHASE] (transient), kill-spare@INDEX:ITER; PHASE: forward, backward, "
+        "raise@RANK:ITER[:PHASE] (transient), unhealthy@RANK:ITER[:PHASE] (its device fails "
+        "every health check from then on), slow@RANK:ITER[:PHASE] (healthy but slow: the "
+        "training thread computes holding the GIL for 3 x --deadpool-heartbeat-timeout, in "
+        "stretches longer than the timeout, as a long save or kernel would), "
+        "kill-spare@INDEX:ITER; PHASE: forward, backward, "
         "optimizer, snapshot, replicate, recovery (in whichever process holds RANK while it "
         "recovers from a failure in ITER), save (after writing the checkpoint of ITER, before "
         "it is marked complete). Each fault fires once per job.",
@@ -470,6 +493,9 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
     from .failure.inject import parse_faults
 
     check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
+    from .failure.hang import HangPolicy
+
+    HangPolicy.from_config(dpc)  # raises ConfigError naming the flag
     _require(
         dpc.deadpool_health_check_interval >= 0,
         f"--deadpool-health-check-interval={dpc.deadpool_health_check_interval} must be 0 (off) "

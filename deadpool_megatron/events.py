@@ -17,6 +17,7 @@ from typing import Any
 # Event names, declared once (the report and the tests read them).
 FAILURE_DETECTED = "failure_detected"
 FENCED = "fenced"
+SUSPECTED = "suspected"  # a late heartbeat from a process that is still progressing: not fenced
 SPARE_REGISTERED = "spare_registered"
 SPARE_CLAIMED = "spare_claimed"
 SPARE_LOST = "spare_lost"

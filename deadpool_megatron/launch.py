@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,18 +28,30 @@ import time
 import uuid
 from dataclasses import astuple, dataclass, field
 
+from .config import DeadpoolConfig
 from .control import keys
 from .control.chaos import Chaos
 from .control.connect import control_store
 from .control.membership import Member, Membership, MembershipStore
-from .control.monitor import Detection, Monitor
+from .control.monitor import Detection, Monitor, ProcessProbe
 from .control.store import StoreUnreachable
 from .control.tcp_store import TcpKVStore
 from .errors import ConfigError
-from .events import FAILURE_DETECTED, FENCED, JOB_ENDED, JOB_RESTART, SPARE_LOST, EventLog
+from .events import (
+    FAILURE_DETECTED,
+    FENCED,
+    JOB_ENDED,
+    JOB_RESTART,
+    SPARE_LOST,
+    SUSPECTED,
+    EventLog,
+)
 from .failure.classify import Decision, describe
 from .failure.evidence import HeartbeatStale, ProcessExited, describe_exit
+from .failure.hang import HangPolicy
 from .failure.inject import parse_faults
+from .failure.procstate import process_state
+from .failure.progress import ProgressBoard, create_board_file
 from .logging_setup import setup_logging
 from .recovery.coordinator import Coordinator
 from .recovery.plan import Unrecoverable
@@ -46,6 +60,7 @@ from .runtime import (
     ENV_JOB_ID,
     ENV_PREFLIGHT,
     ENV_PREFLIGHT_OUT,
+    ENV_PROGRESS_FILE,
     ENV_ROLE,
     ENV_SPARE_INDEX,
     ENV_SPARES,
@@ -117,47 +132,33 @@ def validate_launch_args(a: argparse.Namespace) -> None:
 
 
 @dataclass
-class ControlSettings:
-    """What the launcher acts on, learnt from the script's --deadpool... flags (preflight)."""
+class LaunchSettings:
+    """What the launcher acts on, learnt from the script's flags (preflight): the workers' own
+    DeadpoolConfig, so every knob has one definition and one default, plus the job's shape."""
 
-    deadpool: bool = False
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 2.0
-    inject: str | None = None
-    event_log: str | None = None
-    store: str = "tcp"
-    etcd_endpoints: str | None = None
-    chaos_mtbf: float | None = None
-    chaos_seed: int = 0
+    protection: DeadpoolConfig = field(default_factory=DeadpoolConfig)
     tp: int = 1
     pp: int = 1
-    replicas: int = 1
     save: str | None = None
     load: str | None = None
-    on_unrecoverable: str = "stop"
 
     @classmethod
-    def from_preflight(cls, d: dict) -> ControlSettings:
+    def from_preflight(cls, d: dict) -> LaunchSettings:
+        names = {f.name for f in dataclasses.fields(DeadpoolConfig)}
         return cls(
-            deadpool=bool(d.get("deadpool")),
-            heartbeat_interval=float(d.get("deadpool_heartbeat_interval", 0.5)),
-            heartbeat_timeout=float(d.get("deadpool_heartbeat_timeout", 2.0)),
-            inject=d.get("deadpool_inject"),
-            event_log=d.get("deadpool_event_log"),
-            store=d.get("deadpool_store", "tcp"),
-            etcd_endpoints=d.get("deadpool_etcd_endpoints"),
-            chaos_mtbf=d.get("deadpool_chaos_mtbf"),
-            chaos_seed=int(d.get("deadpool_chaos_seed", 0)),
+            protection=DeadpoolConfig(**{k: v for k, v in d.items() if k in names}),
             tp=int(d.get("tensor_model_parallel_size", 1)),
             pp=int(d.get("pipeline_model_parallel_size", 1)),
-            replicas=int(d.get("deadpool_replicas", 1)),
             save=d.get("save"),
             load=d.get("load"),
-            on_unrecoverable=d.get("deadpool_on_unrecoverable") or "stop",
         )
 
+    @property
+    def on_unrecoverable(self) -> str:
+        return self.protection.deadpool_on_unrecoverable or "stop"
+
     def spare_kills(self):
-        return (f for f in parse_faults(self.inject or "") if f.on_spare)
+        return (f for f in parse_faults(self.protection.deadpool_inject or "") if f.on_spare)
 
 
 @dataclass
@@ -165,8 +166,12 @@ class Child:
     role: str
     index: int  # global rank for a worker, spare index for a spare
     proc: subprocess.Popen
+    board: ProgressBoard  # its progress marks, read from shared memory
     pump: threading.Thread | None = None
     reported: bool = field(default=False)
+
+    def probe(self) -> ProcessProbe:
+        return ProcessProbe(self.proc.pid, self.board.read(), process_state(self.proc.pid))
 
     @property
     def label(self) -> str:
@@ -182,11 +187,15 @@ class Launcher:
         self.restarts = 0
         self.extra_args: list[str] = []  # --load DIR after a checkpoint-restart
         self.children: list[Child] = []
+        # Progress boards live in memory where the node has /dev/shm.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.board_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
+        self._spawned = 0
         self.store = None
         self.port = args.master_port
         self._print_lock = threading.Lock()
         self._stop_signal: int | None = None
-        self.settings = ControlSettings()
+        self.settings = LaunchSettings()
         self.events = EventLog(None)
         self.kv = None
         self.monitor: Monitor | None = None
@@ -210,7 +219,7 @@ class Launcher:
                 return done.returncode
             if os.path.exists(out):
                 with open(out) as fh:
-                    self.settings = ControlSettings.from_preflight(json.load(fh))
+                    self.settings = LaunchSettings.from_preflight(json.load(fh))
         return 0
 
     def host_store(self) -> None:
@@ -224,12 +233,13 @@ class Launcher:
             wait_for_workers=False,
         )
         self.port = self.store.port
-        if self.settings.store == "etcd":
-            self.kv = control_store("etcd", self.settings.etcd_endpoints, "", 0)
+        p = self.settings.protection
+        if p.deadpool_store == "etcd":
+            self.kv = control_store("etcd", p.deadpool_etcd_endpoints, "", 0)
         else:
             self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
 
-    def _env(self, role: str, index: int, local_rank: int) -> dict[str, str]:
+    def _env(self, role: str, index: int, local_rank: int, board: str) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             MASTER_ADDR=self.args.master_addr,
@@ -243,6 +253,7 @@ class Launcher:
         env[ENV_ROLE] = role
         env[ENV_JOB_ID] = self.job_id
         env[ENV_FAULT_SCOPE] = self.fault_scope
+        env[ENV_PROGRESS_FILE] = board
         if role == ROLE_WORKER:
             env.update(RANK=str(index), LOCAL_RANK=str(local_rank))
         else:
@@ -251,15 +262,18 @@ class Launcher:
         return env
 
     def _spawn(self, role: str, index: int, local_rank: int) -> None:
+        self._spawned += 1
+        board = os.path.join(self.board_dir, f"{self._spawned}-{role}-{index}")
+        create_board_file(board)
         proc = subprocess.Popen(
             [sys.executable, "-u", self.args.script, *self.args.script_args, *self.extra_args],
-            env=self._env(role, index, local_rank),
+            env=self._env(role, index, local_rank, board),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        child = Child(role, index, proc)
+        child = Child(role, index, proc, ProgressBoard(board, writable=False))
         name = f"worker rank {index}" if role == ROLE_WORKER else child.label
         log.info("started %s (pid %d)", name, proc.pid)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
@@ -292,20 +306,20 @@ class Launcher:
     def watch(self) -> int:
         workers = {c.index: c for c in self.children if c.role == ROLE_WORKER}
         spares = [c for c in self.children if c.role == ROLE_SPARE]
-        if self.events.path is None and self.settings.event_log:
-            self.events = EventLog(self.settings.event_log)
+        p = self.settings.protection
+        if self.events.path is None and p.deadpool_event_log:
+            self.events = EventLog(p.deadpool_event_log)
         self.monitor = Monitor(
             self.kv, self.job_id, sorted(workers), lambda r: workers[r].proc.poll(),
-            self.settings.heartbeat_interval, self.settings.heartbeat_timeout,
-            watch_heartbeats=self.settings.deadpool,
+            p.deadpool_heartbeat_interval, HangPolicy.from_config(p),
+            watch_heartbeats=p.deadpool, probe=lambda r: workers[r].probe(),
+            on_suspect=self._on_suspect,
         )  # fmt: skip
         spare_kills = list(self.settings.spare_kills())
         topo = Topology(self.world_size, self.settings.tp, self.settings.pp)
-        self.coordinator = Coordinator(
-            self.kv, self.job_id, topo, self.settings.replicas, self.events
-        )
-        chaos = Chaos(self.settings, workers, self.kv, self.job_id, self.events)
-        membership_written = self.args.node_rank != 0 or not self.settings.deadpool
+        self.coordinator = Coordinator(self.kv, self.job_id, topo, p.deadpool_replicas, self.events)
+        chaos = Chaos(p, workers, self.kv, self.job_id, self.events)
+        membership_written = self.args.node_rank != 0 or not p.deadpool
         next_membership_check = 0.0
         while True:
             if self._stop_signal is not None:
@@ -318,7 +332,7 @@ class Launcher:
                 if self.args.restart_policy == "full":
                     self._log_detection(detection)
                     return self.restart(f"failure of rank {detection.classification.rank}")
-                if not self.settings.deadpool or not membership_written:
+                if not p.deadpool or not membership_written:
                     return self.on_failure(detection, workers)
                 rc = self.hot_swap(detection, workers, spares)
                 if rc is not None:
@@ -342,6 +356,11 @@ class Launcher:
             if all(c.proc.poll() == 0 for c in workers.values()):
                 return self.finish(spares)
             time.sleep(POLL_S)
+
+    def _on_suspect(self, rank: int, reason: str) -> None:
+        """A late heartbeat from a process that is still progressing: say so, never fence."""
+        log.warning("rank %d suspected, not fenced: %s", rank, reason)
+        self.events.emit(SUSPECTED, rank=rank, reason=reason)
 
     def _watch_spares(self, spares: list[Child], spare_kills: list) -> None:
         for fault in list(spare_kills):
@@ -446,8 +465,8 @@ class Launcher:
             self.monitor.history = self.monitor.history.record(c.rank, c.evidence.at)
         held = self.coordinator.gather(
             rec,
-            alive=lambda r: workers[r].proc.poll() is None,
-            on_lost=lambda r: self._fence(workers[r], r, "lost during the recovery"),
+            lost=self.monitor.lost,
+            on_lost=lambda r, why: self._fence(workers[r], r, f"lost during the recovery: {why}"),
         )
         free = [s for s in spares if s.proc.poll() is None]
         try:
@@ -554,11 +573,14 @@ def main(argv: list[str] | None = None) -> int:
     except StoreUnreachable as err:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
         return ConfigError.exit_code
-    launcher.start()
-    while True:
-        rc = launcher.watch()
-        if rc != RESTART:
-            return rc
+    try:
+        launcher.start()
+        while True:
+            rc = launcher.watch()
+            if rc != RESTART:
+                return rc
+    finally:
+        shutil.rmtree(launcher.board_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

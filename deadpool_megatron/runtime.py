@@ -20,6 +20,8 @@ ENV_PREFLIGHT_OUT = "DEADPOOL_PREFLIGHT_OUT"
 ENV_SPARES = "DEADPOOL_SPARES"
 # Injected faults fire once per job, across checkpoint-restarts too (which change the job id).
 ENV_FAULT_SCOPE = "DEADPOOL_FAULT_SCOPE"
+# The shared-memory record where the process marks its progress (failure/progress.py).
+ENV_PROGRESS_FILE = "DEADPOOL_PROGRESS_FILE"
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class ProcessEnv:
     preflight: bool
     under_launcher: bool
     fault_scope: str = "local"
+    progress_file: str | None = None
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> ProcessEnv:
@@ -55,4 +58,5 @@ class ProcessEnv:
             preflight=env.get(ENV_PREFLIGHT) == "1",
             under_launcher=ENV_ROLE in env,
             fault_scope=env.get(ENV_FAULT_SCOPE, env.get(ENV_JOB_ID, "local")),
+            progress_file=env.get(ENV_PROGRESS_FILE),
         )

@@ -68,17 +68,25 @@ def run_job(
 
 
 def run_job_and_kill(
-    tmp_path: Path, nproc: int, args: list[str], victim_rank: int, after_iteration: int
-) -> tuple[JobResult, int]:
-    """Start a job, SIGKILL worker `victim_rank` once `after_iteration` is logged."""
+    tmp_path: Path,
+    nproc: int,
+    args: list[str],
+    victim_rank: int,
+    after_iteration: int,
+    signum: int = signal.SIGKILL,
+    spares: int = 0,
+) -> tuple[JobResult, int, float]:
+    """Start a job, send `signum` to worker `victim_rank` from outside once `after_iteration`
+    is logged; returns the result, the victim's pid and the wall time of the signal."""
     metrics = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
-        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)]),
+        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,
     )  # fmt: skip
     lines: list[str] = []
     victim_pid = None
+    signalled_at = None
     deadline = time.monotonic() + JOB_TIMEOUT_S
     try:
         for line in proc.stdout:
@@ -88,15 +96,17 @@ def run_job_and_kill(
             if victim_pid and metrics.exists():
                 losses, _ = read_metrics(str(metrics))
                 if after_iteration in losses:
-                    os.kill(victim_pid, signal.SIGKILL)
+                    signalled_at = time.time()
+                    os.kill(victim_pid, signum)
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError("the job never reached the kill point")
-        rest, _ = proc.communicate(timeout=120)
+        rest, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
         lines.append(rest)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    (tmp_path / "killed.log").write_text("".join(lines))
     losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)
-    return JobResult(proc.returncode, "".join(lines), losses, final), victim_pid
+    return JobResult(proc.returncode, "".join(lines), losses, final), victim_pid, signalled_at

@@ -28,9 +28,11 @@ class Chaos:
         self.job = job
         self.events = events
         self._schedule = None
-        if settings.chaos_mtbf:
+        if settings.deadpool_chaos_mtbf:
             world = max(workers) + 1 if workers else 0
-            self._schedule = iter(ChaosSchedule(settings.chaos_mtbf, settings.chaos_seed, world))
+            self._schedule = iter(
+                ChaosSchedule(settings.deadpool_chaos_mtbf, settings.deadpool_chaos_seed, world)
+            )
         self._next = None
         self._t0: float | None = None
 

@@ -2,13 +2,17 @@
 evidence, and evidence becomes one classified failure to act on.
 
 Three kinds of evidence, as the paper's detection layer: the launcher seeing a child exit
-(crash: tens of milliseconds), a heartbeat that stopped (hang: the timeout), and a worker's own
-report of an exception it caught (a collective that raised, an injected transient error).
-Classification is the pure function in failure/classify.py; this file only gathers.
+(crash: tens of milliseconds), a hang, and a worker's own report of an exception it caught (a
+collective that raised, an injected transient error). A hang is never a late heartbeat alone:
+the monitor also reads each process's progress marks (shared memory, failure/progress.py) and
+its state as the OS reports it, and failure/hang.py decides; a late beat from a process that is
+still progressing is a suspicion, handed to `on_suspect` and never fenced. Classification is
+the pure function in failure/classify.py; this file only gathers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -20,20 +24,44 @@ from ..failure.classify import (
     FailureHistory,
     InconclusiveEvidence,
     classify,
+    describe,
 )
 from ..failure.evidence import (
     CollectiveError,
     Evidence,
     HealthCheckFailed,
+    HeartbeatStale,
     InjectedTransient,
     ProcessExited,
     is_peer_loss_message,
 )
+from ..failure.hang import STOPPED_STATES, HangPolicy, ProgressTracker, Verdict, assess
 from ..failure.heartbeat import HeartbeatDetector
+from ..failure.progress import ProgressMark
 from . import keys
 from .store import KVStore
 
 STORE_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class ProcessProbe:
+    """What the agent sees of the process holding a rank, without asking the process."""
+
+    pid: int
+    mark: ProgressMark | None  # its progress board, None when it has none
+    state: str  # psutil's status name
+
+
+@dataclass
+class _Watched:
+    """The monitor's running view of one process (a new process holding a rank starts anew)."""
+
+    pid: int
+    tracker: ProgressTracker = dataclasses.field(default_factory=ProgressTracker)
+    state: str = "unknown"
+    stopped_since: float | None = None
+    suspected: bool = False  # a suspicion was reported and the heartbeat has not caught up
 
 
 @dataclass(frozen=True)
@@ -62,10 +90,12 @@ class Monitor:
         ranks: list[int],
         returncode: Callable[[int], int | None],
         heartbeat_interval_s: float,
-        heartbeat_timeout_s: float,
+        policy: HangPolicy,
         watch_heartbeats: bool,
         clock: Callable[[], float] = time.time,
         generation: int = 0,
+        probe: Callable[[int], ProcessProbe | None] = lambda rank: None,
+        on_suspect: Callable[[int, str], None] = lambda rank, reason: None,
     ):
         self.kv = kv
         self.job = job
@@ -73,7 +103,11 @@ class Monitor:
         self.generation = generation
         self._returncode = returncode
         self.watch_heartbeats = watch_heartbeats
-        self.detector = HeartbeatDetector(heartbeat_interval_s, heartbeat_timeout_s, clock)
+        self.hang_policy = policy
+        self.detector = HeartbeatDetector(heartbeat_interval_s, policy.heartbeat_timeout_s, clock)
+        self._probe = probe
+        self._on_suspect = on_suspect
+        self._watched: dict[int, _Watched] = {}
         self._clock = clock
         self._last_beat: dict[int, bytes] = {}
         self._next_store_poll = 0.0
@@ -97,9 +131,11 @@ class Monitor:
             self._next_store_poll = now + STORE_POLL_S
             self._read_heartbeats(now)
             self._read_reports()
+            if self.watch_heartbeats:
+                self._observe_processes(now)
         evidence.extend(self._reports.values())
         if self.watch_heartbeats:
-            evidence.extend(self.detector.stale(now))
+            evidence.extend(self._hung(now))
         if not evidence:
             return None
         try:
@@ -112,6 +148,68 @@ class Monitor:
             # the direct evidence a moment to arrive before acting on hearsay.
             return None
         return Detection(decision, tuple(evidence), now, self._injected_at(decision.rank))
+
+    def _observe_processes(self, now: float) -> None:
+        for rank in self.ranks:
+            self._observe(rank, now)
+
+    def _observe(self, rank: int, now: float) -> None:
+        probe = self._probe(rank)
+        if probe is None:
+            return
+        w = self._watched.get(rank)
+        if w is None or w.pid != probe.pid:  # a new process holds the rank
+            w = self._watched[rank] = _Watched(probe.pid)
+        w.tracker.observe(probe.mark, now)
+        w.state = probe.state
+        if probe.state in STOPPED_STATES:
+            w.stopped_since = now if w.stopped_since is None else w.stopped_since
+        else:
+            w.stopped_since = None
+
+    def _hung(self, now: float) -> list[HeartbeatStale]:
+        """Evidence for every hung rank; late beats of progressing ranks become suspicions."""
+        late = {e.rank: e for e in self.detector.stale(now)}
+        out = []
+        for rank in self.ranks:
+            if self._returncode(rank) is not None:
+                continue  # it exited: that is the evidence, or it finished
+            w = self._watched.get(rank)
+            stale = late.get(rank)
+            if w is None:
+                continue  # nothing seen of its process: a late beat alone proves nothing
+            last = self.detector.last_seen(rank)
+            age = None if stale is None else now - last if last is not None else float("inf")
+            stopped = 0.0 if w.stopped_since is None else now - w.stopped_since
+            a = assess(age, w.tracker, w.state, stopped, now, self.hang_policy)
+            if a.verdict is Verdict.HUNG:
+                out.append(
+                    dataclasses.replace(stale, why=a.reason)
+                    if stale is not None
+                    else HeartbeatStale(rank, last, now, a.reason)
+                )
+            elif a.verdict is Verdict.SUSPECTED and not w.suspected:
+                w.suspected = True
+                self._on_suspect(rank, a.reason)
+            elif a.verdict is Verdict.OK:
+                w.suspected = False
+        return out
+
+    def lost(self, rank: int) -> str | None:
+        """During a recovery: why the process holding `rank` will never report (it exited, is
+        stopped, or shows no progress for its phase's limit), or None while it may still."""
+        rc = self._returncode(rank)
+        if rc is not None:
+            return describe(ProcessExited(rank, rc, self._clock()))
+        now = self._clock()
+        self._observe(rank, now)
+        w = self._watched.get(rank)
+        if w is None:
+            return None
+        stopped = 0.0 if w.stopped_since is None else now - w.stopped_since
+        # Heartbeats do not matter here: the process was told to stop and report.
+        a = assess(float("inf"), w.tracker, w.state, stopped, now, self.hang_policy)
+        return a.reason if a.verdict is Verdict.HUNG else None
 
     def _read_heartbeats(self, now: float) -> None:
         for rank in self.ranks:
@@ -156,3 +254,4 @@ class Monitor:
     def forget(self, rank: int) -> None:
         """Stop watching a rank (fenced or ended)."""
         self.detector.forget(rank)
+        self._watched.pop(rank, None)

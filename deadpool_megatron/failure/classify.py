@@ -4,8 +4,9 @@ A pure function, so the rules below are tested as a table. Precedence, strongest
 
 1. `ProcessExited`: the operating system's word; the process is gone, nothing can reset it.
    Any collective error or heartbeat evidence about the same rank is a symptom of the exit.
-2. `HeartbeatStale`: the process is hung or unreachable; a process that cannot beat cannot be
-   trusted to reset itself (and a hung gloo collective cannot be aborted from another thread,
+2. `HeartbeatStale`: the process is hung: stopped, or its heartbeat is late AND it has made no
+   progress for its phase's limit (failure/hang.py; a late beat alone is only a suspicion); a
+   process that cannot beat cannot be trusted to reset itself (and a hung gloo collective cannot be aborted from another thread,
    so the launcher fences it), even if the same rank also reported a transient error.
 3. `HealthCheckFailed`: alive but unfit (device, memory); resetting in place would fail again.
 4. `CudaError` that is not recoverable: the CUDA context is lost, only a new process helps.
@@ -105,7 +106,7 @@ def describe(e: Evidence) -> str:
         return f"{name}: rank {e.rank} {describe_exit(e.returncode)}"
     if isinstance(e, HeartbeatStale):
         seen = "never beat" if e.last_seen is None else f"last beat {e.at - e.last_seen:.2f} s ago"
-        return f"{name}: rank {e.rank} {seen}"
+        return f"{name}: rank {e.rank} {seen}" + (f"; {e.why}" if e.why else "")
     if isinstance(e, HealthCheckFailed):
         return f"{name}: rank {e.rank}: {e.reason}"
     if isinstance(e, CudaError):

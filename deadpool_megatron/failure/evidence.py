@@ -27,11 +27,13 @@ class CollectiveError:
 
 @dataclass(frozen=True)
 class HeartbeatStale:
-    """`rank` has not beaten for longer than the timeout; `last_seen` None: never beat."""
+    """`rank` is hung: its heartbeat is late (`last_seen` None: never beat) AND it shows no
+    progress (failure/hang.py); `why` says which evidence showed that."""
 
     rank: int
     last_seen: float | None
     at: float
+    why: str = ""
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 from ..errors import ConfigError
 
-# raise = transient: the process stays alive; unhealthy: its device fails the health check
-ACTIONS = ("kill", "hang", "raise", "unhealthy")
+# raise = transient: the process stays alive; unhealthy: its device fails the health check;
+# slow: a healthy but slow phase (the training thread computes holding the GIL)
+ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save")
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
@@ -26,7 +27,7 @@ DEFAULT_PHASE = "forward"
 GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
     "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE], "
-    "unhealthy@RANK:ITER[:PHASE] "
+    "unhealthy@RANK:ITER[:PHASE], slow@RANK:ITER[:PHASE] "
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), kill-spare@INDEX:ITER; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )

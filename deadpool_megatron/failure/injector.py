@@ -3,8 +3,10 @@
 kill: SIGKILL to itself (the process dies as a node would); hang: SIGSTOP to itself (every
 thread stops, heartbeats included, as a hung node would); raise: an `InjectedFault` exception
 in the training thread (a transient error: the process stays alive and healthy); unhealthy:
-its device fails every health check from then on (alive and beating, but unfit). The time of
-each injection is reported first, so detection latency can be measured from it.
+its device fails every health check from then on (alive and beating, but unfit); slow: the
+training thread computes while holding the GIL (no heartbeat gets out) for a while, as a long
+checkpoint save or kernel launch would: a healthy process that must not be accused. The time
+of each injection is reported first, so detection latency can be measured from it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,18 @@ class InjectedFault(DeadpoolError):
     """A transient failure injected with raise@RANK:ITER."""
 
 
+def hold_gil(seconds: float, stretch_s: float) -> None:
+    """Compute for `seconds` without letting another thread run for `stretch_s` at a time:
+    `sum(range(n))` loops in C and never releases the GIL; n is calibrated as it goes."""
+    deadline = time.monotonic() + seconds
+    n = 100_000
+    while (left := deadline - time.monotonic()) > 0:
+        start = time.monotonic()
+        sum(range(n))
+        took = max(time.monotonic() - start, 1e-6)
+        n = max(1000, int(n * min(stretch_s, left) / took))
+
+
 class FaultInjector:
     def __init__(
         self,
@@ -33,7 +47,9 @@ class FaultInjector:
         rank: int,
         report: Callable[[Fault, float], None],
         claim: Callable[[Fault], bool] | None = None,
+        slow_s: float = 6.0,
     ):
+        self.slow_s = slow_s  # how long a slow@ phase lasts
         self.faults = tuple(f for f in faults if not f.on_spare and f.target == rank)
         self.rank = rank
         self._report = report
@@ -64,5 +80,8 @@ class FaultInjector:
             elif fault.action == "unhealthy":
                 if self.on_unhealthy is not None:
                     self.on_unhealthy()  # the device fails its health checks from now on
+            elif fault.action == "slow":
+                hold_gil(self.slow_s, stretch_s=self.slow_s / 2.4)
+                log.warning("%s: slow phase over after %.1f s", fault, time.time() - at)
             else:
                 raise InjectedFault(f"injected transient fault {fault}")

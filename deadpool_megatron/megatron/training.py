@@ -18,6 +18,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..config import JobConfig, data_parallel_size
+from ..failure.progress import ProgressBoard
 from ..metrics import MetricsWriter, iteration_line
 from . import checkpointing, gloo_ops
 from .data import build_corpus, get_micro_batch, micro_batch_indices
@@ -50,8 +51,17 @@ def _no_fault(iteration: int, phase: str) -> None:
 class Trainer:
     """Owns one rank's training: state, data, metrics, and the iteration counter."""
 
-    def __init__(self, cfg: JobConfig, state: TrainState, world_size: int, on_gpu: bool):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        state: TrainState,
+        world_size: int,
+        on_gpu: bool,
+        progress: ProgressBoard | None = None,
+    ):
         self.cfg = cfg
+        # Phase boundaries, marked where the agent can read them without this process's GIL.
+        self.progress = progress or ProgressBoard()
         self.on_gpu = on_gpu
         self.dp_size = data_parallel_size(cfg, world_size)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -94,7 +104,7 @@ class Trainer:
         # megatron-core counts the function's parameters to decide how to call it: keep two.
         def step(data_iterator, model):
             return forward_step(
-                data_iterator, model, on_backward=lambda: self.fire(iteration, "backward")
+                data_iterator, model, on_backward=lambda: self._phase(iteration, "backward")
             )
 
         return step
@@ -103,7 +113,7 @@ class Trainer:
         """Run iteration self.iteration + 1; returns the DP-averaged loss on the last stage."""
         s = self.state
         current = self.iteration + 1
-        self.fire(current, "forward")
+        self._phase(current, "forward")
         batches = self._micro_batches(self.iteration)
         iterators = [iter(batches) for _ in s.model]
         for chunk in s.model:
@@ -118,7 +128,7 @@ class Trainer:
             micro_batch_size=self.cfg.training.micro_batch_size,
             forward_only=False,
         )
-        self.fire(current, "optimizer")
+        self._phase(current, "optimizer")
         update_successful, _grad_norm, _zeros = s.optimizer.step()
         if update_successful:
             s.scheduler.step(increment=1)
@@ -138,7 +148,7 @@ class Trainer:
             start = time.perf_counter()
             loss = self.train_step()
             if self.pipeline is not None:
-                self.fire(self.iteration, "snapshot")
+                self._phase(self.iteration, "snapshot")
                 self.pipeline.after_step(self.iteration)
             elapsed_ms = (time.perf_counter() - start) * 1000.0
             if self.is_logging_rank and loss is not None:
@@ -161,11 +171,18 @@ class Trainer:
                 self.async_queue.maybe_finalize_async_calls(blocking=False)
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 it = self.iteration
+                self.progress.mark(it, "save")
                 checkpointing.save(
                     self.cfg, self.state, it, lambda it=it: self.fire(it, "save"), self.async_queue
                 )
+            self.progress.mark(self.iteration, "done")
             if on_iteration is not None:
                 on_iteration(self)
+
+    def _phase(self, iteration: int, phase: str) -> None:
+        """A phase boundary: mark the progress, then let a fault (or a stop order) act."""
+        self.progress.mark(iteration, phase)
+        self.fire(iteration, phase)
 
     def finalize_saves(self) -> None:
         """Wait for every asynchronous save to be written and committed (all ranks)."""

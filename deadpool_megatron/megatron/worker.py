@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..config import JobConfig
 from ..events import CHECKPOINT_LOADED, FAULT_INJECTED, EventLog
+from ..failure.progress import ProgressBoard
 from ..recovery.hotswap import RecoveryFailed
 from ..runtime import ProcessEnv
 from . import checkpointing, parallel
@@ -36,8 +37,10 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
     """Train as `env.rank`. `takeover` (a spare's ControlClient and the generation it joins)
     makes this a claimed spare taking over a failed rank in a running job."""
     start = time.perf_counter()
+    progress = ProgressBoard(env.progress_file)  # private memory without a launcher
+    progress.mark(0, "start")
     store = open_store(env)
-    control = _attach_control(cfg, env, store, takeover)
+    control = _attach_control(cfg, env, store, progress, takeover)
     if takeover is None:
         on_gpu = parallel.init_distributed(
             cfg, env.rank, env.world_size, store, prefix=parallel.store_prefix(env.job_id, 0)
@@ -48,7 +51,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
             env.rank, env.world_size, tp, pp, dp, "nccl" if on_gpu else "gloo (CPU)",
         )  # fmt: skip
         state = build_train_state(cfg, on_gpu)
-        trainer = Trainer(cfg, state, env.world_size, on_gpu)
+        trainer = Trainer(cfg, state, env.world_size, on_gpu, progress)
         if cfg.checkpoint.load:
             t = time.perf_counter()
             trainer.iteration = checkpointing.load(cfg, state)
@@ -62,7 +65,8 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
     else:
         _, generation = takeover
         trainer = control.hotswap.take_over(
-            generation, lambda state, on_gpu: Trainer(cfg, state, env.world_size, on_gpu)
+            generation,
+            lambda state, on_gpu: Trainer(cfg, state, env.world_size, on_gpu, progress),
         )
     if control is not None:
         control.wire(trainer)
@@ -87,6 +91,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover=None) -> int:
                 control.close()
                 return 1
             control.wire(trainer)
+    progress.mark(trainer.iteration, "finish")
     trainer.finalize_saves()
     c = cfg.checkpoint
     if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
@@ -107,7 +112,14 @@ class WorkerControl:
     """Heartbeats after warm-up, fault injection, reporting a caught failure, and this
     process's part in hot-swap recoveries."""
 
-    def __init__(self, cfg: JobConfig, env: ProcessEnv, store: dist.Store, client=None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: ProcessEnv,
+        store: dist.Store,
+        progress: ProgressBoard,
+        client=None,
+    ):
         from ..control.client import ControlClient
         from ..failure.inject import parse_faults
         from ..failure.injector import FaultInjector
@@ -122,8 +134,13 @@ class WorkerControl:
             self.client.env = env
         self.events = EventLog(cfg.deadpool.deadpool_event_log, rank=env.rank)
         faults = parse_faults(cfg.deadpool.deadpool_inject or "")
-        self.injector = FaultInjector(faults, env.rank, self._injected, self.client.claim_fault)
-        self.hotswap = HotSwap(cfg, env, self.client, store, self._report, self.injector.fire)
+        self.injector = FaultInjector(
+            faults, env.rank, self._injected, self.client.claim_fault,
+            slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
+        )  # fmt: skip
+        self.hotswap = HotSwap(
+            cfg, env, self.client, store, progress, self._report, self.injector.fire
+        )
         self.health = None  # started after the first iteration, with the heartbeats
         if cfg.deadpool.deadpool and client is None:
             self.hotswap.start_watching()
@@ -191,11 +208,11 @@ class WorkerControl:
 
 
 def _attach_control(
-    cfg: JobConfig, env: ProcessEnv, store: dist.Store, takeover
+    cfg: JobConfig, env: ProcessEnv, store: dist.Store, progress: ProgressBoard, takeover
 ) -> WorkerControl | None:
     if takeover is not None:
-        return WorkerControl(cfg, env, store, client=takeover[0])
+        return WorkerControl(cfg, env, store, progress, client=takeover[0])
     wanted = cfg.deadpool.deadpool or cfg.deadpool.deadpool_inject
     if not wanted or not env.under_launcher:
         return None
-    return WorkerControl(cfg, env, store)
+    return WorkerControl(cfg, env, store, progress)

@@ -37,8 +37,7 @@ from .plan import (
 
 log = logging.getLogger("deadpool.recovery")
 
-HOLDINGS_TIMEOUT_S = 60.0
-POLL_S = 0.01
+POLL_S = 0.01  # holdings arrive within milliseconds of the order
 # Per-rank phases (the slowest rank's duration is reported), in the order they happen.
 RANK_PHASES = (
     "rebuild_communicators",
@@ -98,35 +97,32 @@ class Coordinator:
     def gather(
         self,
         rec: Recovery,
-        alive: Callable[[int], bool],
-        on_lost: Callable[[int], None],
+        lost: Callable[[int], str | None],
+        on_lost: Callable[[int, str], None],
+        poll_s: float = POLL_S,
     ) -> dict[int, tuple[RankHoldings, int]]:
-        """Wait for the holdings of every live rank; a rank that dies (or never answers) meanwhile
-        joins the failed ones. Returns {rank: (holdings, completed iteration)}."""
+        """Wait for the holdings of every live rank. A rank still computing towards its next
+        phase boundary is waited for as long as it progresses; one that `lost` says will
+        never report (exited, stopped, no progress for its phase's limit) joins the failed
+        ones. Returns {rank: (holdings, completed iteration)}."""
         got: dict[int, tuple[RankHoldings, int]] = {}
-        deadline = time.monotonic() + HOLDINGS_TIMEOUT_S
         while True:
             for rank in range(self.topology.world_size):
                 if rank in rec.permanent or rank in got:
                     continue
-                if not alive(rank):
-                    log.warning("rank %d died during the recovery; it is replaced too", rank)
-                    rec.permanent.add(rank)
-                    on_lost(rank)
-                    continue
                 raw = self.kv.get(keys.holdings(self.job, rec.generation, rank))
                 if raw is not None:
                     got[rank] = decode_holdings(json.loads(raw))
-            waiting = set(range(self.topology.world_size)) - rec.permanent - set(got)
-            if not waiting:
-                return got
-            if time.monotonic() > deadline:
-                log.error("ranks %s never reported their holdings; replacing them", sorted(waiting))
-                for rank in waiting:
+                    continue
+                why = lost(rank)
+                if why is not None:
+                    log.warning("rank %d is lost during the recovery (%s); it is replaced too",
+                                rank, why)  # fmt: skip
                     rec.permanent.add(rank)
-                    on_lost(rank)
+                    on_lost(rank, why)
+            if not set(range(self.topology.world_size)) - rec.permanent - set(got):
                 return got
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
 
     def decide(
         self,

@@ -46,6 +46,9 @@ from ..config import JobConfig
 from ..control import keys
 from ..errors import DeadpoolError
 from ..failure.evidence import EXIT_BLOCKED
+from ..failure.hang import HangPolicy, StallWatch
+from ..failure.procstate import working_cpu_seconds
+from ..failure.progress import ProgressBoard
 from ..megatron import parallel
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.groups import live_groups, stale_groups
@@ -60,7 +63,6 @@ from .plan import RankHoldings, RecoveryPlan, check_plan, decode_plan, encode_ho
 log = logging.getLogger("deadpool.recovery")
 
 POLL_S = 0.02
-WAIT_TIMEOUT_S = 120.0  # for the launcher's order and plan, and for the rendezvous
 
 
 class RecoveryOrdered(DeadpoolError):
@@ -113,10 +115,12 @@ class HotSwap:
         env: ProcessEnv,
         client,
         store: dist.Store,
+        progress: ProgressBoard,
         report=None,
         fire=None,
     ):
         self.cfg = cfg
+        self.progress = progress
         self.env = env
         self.client = client
         self.kv = client.kv
@@ -137,10 +141,12 @@ class HotSwap:
         self._failed_iteration = 0
         self._ordered = 0
         self._failed_generation = 0
-        self._ordered_at: float | None = None
         self._in_recovery = False
-        # As long as a hung rank is given: a healthy one stops within milliseconds.
-        self.stuck_s = max(1.0, cfg.deadpool.deadpool_heartbeat_timeout)
+        policy = HangPolicy.from_config(cfg.deadpool)
+        # How long an order, a plan or the rendezvous may take: a recovery's allowance (the
+        # launcher waits as long for a rank that is still computing towards a phase boundary).
+        self.wait_s = policy.slow_phase_s
+        self._stall = StallWatch(policy)  # is the training thread coming to a stop?
         self._lock = threading.Lock()
         self._pending: dict | None = None  # phases of a recovery awaiting its first iteration
         self._watcher: threading.Thread | None = None
@@ -159,35 +165,43 @@ class HotSwap:
                 raw = self.kv.get(keys.recovery_order(self.job, nxt))
             except Exception:  # the store is gone: the job is ending
                 return
+            now = time.monotonic()
             if raw is not None:
                 with self._lock:
                     self._ordered = max(self._ordered, nxt)
-                    self._ordered_at = time.monotonic()
                 log.info("recovery into generation %d ordered: %s", nxt, json.loads(raw)["reason"])
                 self.abort.abort()  # whoever is blocked in a collective now fails
-            self._leave_if_blocked()
+            self._stall.observe(self.progress.read(), now)
+            if self._waiting_for_training_thread():
+                self._stall.watch_cpu(working_cpu_seconds(), now)
+                self._leave_if_stalled(now)
             time.sleep(POLL_S)
 
-    def _leave_if_blocked(self) -> None:
-        """Leave if the training thread has not stopped soon after an order.
+    def _waiting_for_training_thread(self) -> bool:
+        with self._lock:
+            return self._ordered > self.generation and not self._in_recovery
 
-        A gloo send waiting for its peer to post the matching receive is not woken when the
-        connection closes (it waits out the process-group timeout, minutes): this process
-        cannot join the recovery, so it exits and the launcher replaces it with a spare.
+    def _leave_if_stalled(self, now: float) -> None:
+        """Leave if the training thread stopped making progress after an order.
+
+        A healthy rank stops at its next phase boundary (or its pending collective fails), so
+        it is waited for as long as it computes. One that is blocked (no progress mark and no
+        CPU time: e.g. a gloo send waiting for its peer to post the matching receive, which a
+        closed connection does not wake) cannot join the recovery: it exits and the launcher
+        replaces it with a spare.
         """
-        if self._ordered_at is None or self._in_recovery:
+        why = self._stall.stalled(now)
+        if why is None:
             return
-        if time.monotonic() - self._ordered_at > self.stuck_s:
-            frame = sys._current_frames().get(threading.main_thread().ident)
-            stack = "".join(traceback.format_stack(frame)) if frame else "?"
-            log.error(
-                "the training thread is still blocked %.1f s after the recovery order, in a "
-                "collective gloo cannot abort; leaving so that a spare takes this rank over. "
-                "It is at:\n%s", self.stuck_s, stack,
-            )  # fmt: skip
-            for handler in logging.getLogger().handlers:
-                handler.flush()
-            os._exit(EXIT_BLOCKED)
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        stack = "".join(traceback.format_stack(frame)) if frame else "?"
+        log.error(
+            "the training thread is %s after the recovery order; leaving so that a spare takes "
+            "this rank over. It is at:\n%s", why, stack,
+        )  # fmt: skip
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_BLOCKED)
 
     @property
     def stopping(self) -> bool:
@@ -202,7 +216,7 @@ class HotSwap:
     # -- a worker's recovery -----------------------------------------------------------------
     def recover(self, trainer, err: BaseException) -> None:
         """Take part in recoveries until one succeeds; raises RecoveryFailed if none can."""
-        self._in_recovery = True
+        self._enter_recovery(trainer.iteration)
         if not isinstance(err, RecoveryOrdered) and not self.stopping and self.report:
             self.report(err)  # the launcher classifies it
         log.warning("iteration %d stopped: %s: %s", trainer.iteration + 1, type(err).__name__, err)
@@ -232,7 +246,7 @@ class HotSwap:
         """A claimed spare joins the recovery into `generation`; returns its Trainer."""
         with self._lock:
             self.generation, self._ordered = generation - 1, generation
-            self._in_recovery = True
+        self._enter_recovery(0)
         self.start_watching()
         while True:
             plan = self._wait_for_plan(generation)
@@ -252,10 +266,15 @@ class HotSwap:
                     raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {e}") from e
             generation = self._wait_for_order()
 
+    def _enter_recovery(self, iteration: int) -> None:
+        self.progress.mark(iteration, "recovery")
+        with self._lock:
+            self._in_recovery = True
+        self._stall.stop_watching()
+
     def _recovered(self) -> None:
         with self._lock:
             self._in_recovery = False
-            self._ordered_at = None
 
     def _stop_pipeline(self, trainer) -> None:
         p = trainer.pipeline if trainer is not None else None
@@ -268,11 +287,11 @@ class HotSwap:
         trainer.pipeline = None
 
     def _wait_for_order(self) -> int:
-        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        deadline = time.monotonic() + self.wait_s
         while not self.stopping or self._ordered <= self._failed_generation:
             if time.monotonic() > deadline:
                 raise RecoveryFailed(
-                    f"no recovery order from the launcher within {WAIT_TIMEOUT_S:.0f} s"
+                    f"no recovery order from the launcher within {self.wait_s:.0f} s"
                 )
             time.sleep(POLL_S)
         with self._lock:
@@ -288,7 +307,7 @@ class HotSwap:
         )  # fmt: skip
 
     def _wait_for_plan(self, generation: int) -> RecoveryPlan | None:
-        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        deadline = time.monotonic() + self.wait_s
         key = keys.recovery_plan(self.job, generation)
         while True:
             raw = self.kv.get(key)
@@ -373,7 +392,7 @@ class HotSwap:
         """Everyone of the generation is here: only then build groups (a gloo rendezvous
         waiting for a dead process cannot be interrupted; this wait can)."""
         self.kv.set(keys.arrived(self.job, generation, self.env.rank), b"1")
-        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        deadline = time.monotonic() + self.wait_s
         waiting = set(range(self.env.world_size))
         while waiting:
             waiting = {

@@ -1,23 +1,27 @@
 """Failure detection on real jobs: injected kills, hangs and transient errors are noticed,
-classified, logged and (for a hang) fenced; a healthy job is never accused. Jobs without a
-spare cannot replace a lost rank, so a permanent failure ends them (test_hotswap.py has the
-recoveries)."""
+classified, logged and (for a hang) fenced; a healthy job is never accused, not while it is
+slow, not on a machine whose every core is busy. Jobs without a spare cannot replace a lost
+rank, so a permanent failure ends them (test_hotswap.py has the recoveries)."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
 
 import pytest
 
 from deadpool_megatron.control.etcd_store import EtcdKVStore
 from deadpool_megatron.control.membership import MembershipStore
 from deadpool_megatron.events import read_events
-from jobs import ROOT, run_job
+from jobs import ROOT, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 # PP2 x DP2 on 4 processes: ranks 0, 1 are the first pipeline stage, 2, 3 the last.
-SHAPE = ["--config", str(ROOT / "configs" / "demo.yaml"), "--tensor-model-parallel-size", "1",
-         "--deadpool", "--deadpool-heartbeat-interval", "0.5",
-         "--deadpool-heartbeat-timeout", "2.0"]  # fmt: skip
+DEFAULTS = ["--config", str(ROOT / "configs" / "demo.yaml"), "--tensor-model-parallel-size", "1",
+            "--deadpool"]  # fmt: skip
+SHAPE = [*DEFAULTS, "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbeat-timeout", "2.0"]
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +72,25 @@ def test_hang_is_detected_within_timeout_plus_one_second_and_fenced(tmp_path):
     assert injected["fault"] == "hang@2:6:backward"
 
 
+def test_a_process_frozen_from_outside_is_fenced_and_replaced(tmp_path, baseline):
+    # SIGSTOP from outside the job (no injection record): every thread of rank 2 stops.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--train-iters", "40", "--deadpool-event-log", str(log)]
+    result, pid, stopped_at = run_job_and_kill(
+        tmp_path, 4, args, victim_rank=2, after_iteration=8, signum=signal.SIGSTOP, spares=1
+    )
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    events = read_events(str(log))
+    detected = _only(events, "failure_detected")
+    assert (detected["rank"], detected["evidence"]) == (2, "HeartbeatStale")
+    assert "stopped" in detected["reason"]
+    assert detected["time"] - stopped_at <= 2.0 + 1.0, detected
+    fenced = _only(events, "fenced")
+    assert (fenced["rank"], fenced["pid"]) == (2, pid)
+    assert _only(events, "recovery_done")["replaced"] == {"2": "spare-0"}
+
+
 @pytest.mark.parametrize("phase", ["optimizer", "replicate"])
 def test_raise_is_classified_transient(tmp_path, baseline, phase):
     # In the replicate phase the error is raised in the replication thread, which the
@@ -114,3 +137,53 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     assert [m.coords for m in membership.ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     assert membership.member(1).process_id == "spare-0"
     assert membership.spares == ()
+
+
+def test_slow_phases_are_suspected_never_fenced_and_join_a_recovery(tmp_path, baseline):
+    # Rank 1's training thread holds the GIL for 3 x the heartbeat timeout, twice: in iteration
+    # 3 on its own (its heartbeat goes late: a suspicion, nothing more), and in iteration 7
+    # right after its optimizer step, when rank 3's replication thread fails transiently: the
+    # recovery is ordered while rank 1 is still computing. It is waited for, joins at its
+    # next phase boundary, and no spare is used.
+    spec = "slow@1:3,slow@1:7:snapshot,raise@3:7:replicate"
+    result, events = _inject(tmp_path, spec, spares=1)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    assert result.output.count("slow phase over") == 2
+    detected = _only(events, "failure_detected")
+    assert (detected["rank"], detected["kind"]) == (3, "transient")
+    assert [e for e in events if e["event"] in ("fenced", "spare_claimed")] == []
+    suspected = [e for e in events if e["event"] == "suspected"]
+    assert suspected and {e["rank"] for e in suspected} == {1}, suspected
+    assert "leaving so that a spare" not in result.output
+    done = _only(events, "recovery_done")
+    assert done["replaced"] == {} and done["replayed_iterations"] <= 1
+
+
+def _hog() -> None:
+    while True:
+        pass
+
+
+def test_healthy_job_with_saves_on_a_machine_with_every_core_busy_is_never_accused(
+    tmp_path, baseline
+):
+    # Default detection settings; two busy processes per core beside the job, and a checkpoint
+    # every 3 iterations (saves hold the GIL for long stretches).
+    hogs = [multiprocessing.get_context("spawn").Process(target=_hog, daemon=True)
+            for _ in range(2 * (os.cpu_count() or 2))]  # fmt: skip
+    for h in hogs:
+        h.start()
+    try:
+        log = tmp_path / "events.jsonl"
+        args = [*DEFAULTS, "--train-iters", "40", "--save", str(tmp_path / "ckpt"),
+                "--save-interval", "3", "--deadpool-event-log", str(log)]  # fmt: skip
+        result = run_job(tmp_path, 4, args, spares=1)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.join(10)
+    assert result.returncode == 0, result.output[-3000:]
+    events = read_events(str(log))
+    assert [e for e in events if e["event"] in ("failure_detected", "fenced")] == []
+    assert result.losses == baseline.losses and result.digest == baseline.digest

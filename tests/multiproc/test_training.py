@@ -79,7 +79,7 @@ def test_resume_from_checkpoint_is_bitwise_identical(runs_interleaved):
 
 def test_killed_worker_ends_the_job_with_one_clear_line(tmp_path):
     args = [*DEMO, "--tensor-model-parallel-size", "1", "--train-iters", "500"]
-    result, pid = run_job_and_kill(tmp_path, 4, args, victim_rank=3, after_iteration=2)
+    result, pid, _ = run_job_and_kill(tmp_path, 4, args, victim_rank=3, after_iteration=2)
     assert result.returncode == 1
     line = f"worker rank 3 (pid {pid}) was killed by signal SIGKILL; ending the job"
     assert result.output.count(line) == 1, result.output[-3000:]

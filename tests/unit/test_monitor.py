@@ -1,13 +1,16 @@
-"""The launcher's monitor on a real (in-process) TCPStore with a fake clock: evidence from
-exits, heartbeats and self-reports becomes one classified detection."""
+"""The launcher's monitor on a real (in-process) TCPStore with a fake clock and fake process
+probes: evidence from exits, heartbeats, progress marks, the OS's process state and
+self-reports becomes one classified detection, or a suspicion that is never fenced."""
 
 import json
 
 import pytest
 
 from deadpool_megatron.control import keys
-from deadpool_megatron.control.monitor import Monitor
+from deadpool_megatron.control.monitor import Monitor, ProcessProbe
 from deadpool_megatron.control.tcp_store import TcpKVStore
+from deadpool_megatron.failure.hang import HangPolicy
+from deadpool_megatron.failure.progress import ProgressMark
 
 JOB = "monitor-test"
 
@@ -27,8 +30,31 @@ def kv():
     store.close()
 
 
-def make(kv, codes, clock):
-    return Monitor(kv, JOB, [0, 1, 2], codes.get, 0.5, 2.0, watch_heartbeats=True, clock=clock)
+class Processes:
+    """What the agent would read of each rank's process: its progress mark and OS state."""
+
+    def __init__(self):
+        self.marks = {r: ProgressMark(2, 1, "forward") for r in (0, 1, 2)}
+        self.states = {r: "running" for r in (0, 1, 2)}
+
+    def progress(self, rank, phase="forward"):
+        m = self.marks[rank]
+        self.marks[rank] = ProgressMark(m.seq + 2, m.iteration + (phase == "forward"), phase)
+
+    def probe(self, rank):
+        return ProcessProbe(1000 + rank, self.marks[rank], self.states[rank])
+
+
+POLICY = HangPolicy(heartbeat_timeout_s=2.0, floor_s=10.0, factor=5.0, slow_phase_s=30.0)
+
+
+def make(kv, codes, clock, procs=None, suspicions=None):
+    procs = procs or Processes()
+    return Monitor(
+        kv, JOB, [0, 1, 2], codes.get, 0.5, POLICY, watch_heartbeats=True, clock=clock,
+        probe=procs.probe,
+        on_suspect=lambda r, why: suspicions.append((r, why)) if suspicions is not None else None,
+    )  # fmt: skip
 
 
 def beat(kv, rank, n):
@@ -58,16 +84,19 @@ def test_a_killed_process_is_permanent_and_latency_comes_from_the_injection(kv):
     assert d.latency_s == pytest.approx(0.3)
 
 
-def test_stale_heartbeat_is_detected_after_the_timeout_only(kv):
-    clock, codes = Clock(), {}
-    monitor = make(kv, codes, clock)
+def test_a_stopped_process_is_hung_after_the_heartbeat_timeout_only(kv):
+    clock, codes, procs = Clock(), {}, Processes()
+    monitor = make(kv, codes, clock, procs)
     for n in range(3):
         for rank in (0, 1, 2):
             beat(kv, rank, n)
+            procs.progress(rank)
         assert advance(monitor, clock, 0.5) is None
     assert monitor.iteration == 2
+    procs.states[2] = "stopped"  # SIGSTOP: rank 2 stops beating and marking
+    stopped_at = clock.t + 0.5
     d = None
-    for n in range(3, 10):  # rank 2 stops beating
+    for n in range(3, 10):
         beat(kv, 0, n)
         beat(kv, 1, n)
         d = advance(monitor, clock, 0.5)
@@ -75,7 +104,51 @@ def test_stale_heartbeat_is_detected_after_the_timeout_only(kv):
             break
     assert d.classification.rank == 2 and d.classification.kind.value == "permanent"
     assert type(d.classification.evidence).__name__ == "HeartbeatStale"
-    assert clock.t - 1001.5 > 2.0  # no earlier than the timeout after the last beat
+    assert "stopped" in d.classification.reason
+    assert 2.0 < clock.t - stopped_at <= 2.0 + 0.5  # the timeout, within one poll
+
+
+def test_a_late_heartbeat_from_a_progressing_process_is_only_suspected(kv):
+    clock, codes, procs, suspicions = Clock(), {}, Processes(), []
+    monitor = make(kv, codes, clock, procs, suspicions)
+    for rank in (0, 1, 2):
+        beat(kv, rank, 0)
+    assert advance(monitor, clock, 0.1) is None
+    # Rank 1 holds its GIL for 40 s (a checkpoint save): no beats, but its marks move on.
+    for n in range(1, 81):
+        beat(kv, 0, n)
+        beat(kv, 2, n)
+        procs.progress(0)
+        procs.progress(2)
+        if n % 20 == 0:
+            procs.progress(1, "save")
+        assert advance(monitor, clock, 0.5) is None
+    assert [r for r, _ in suspicions] == [1]  # reported once per episode
+    assert "heartbeat" in suspicions[0][1] and "late" in suspicions[0][1]
+    beat(kv, 1, 99)  # it beats again: a later episode would be reported again
+    assert advance(monitor, clock, 0.5) is None
+    assert [r for r, _ in suspicions] == [1]
+
+
+def test_a_late_heartbeat_without_progress_is_hung_after_the_phase_limit(kv):
+    clock, codes, procs = Clock(), {}, Processes()
+    monitor = make(kv, codes, clock, procs)
+    for n in range(4):  # past the warm-up iterations; forward takes 0.5 s
+        for rank in (0, 1, 2):
+            beat(kv, rank, n)
+            procs.progress(rank)
+        assert advance(monitor, clock, 0.5) is None
+    # Rank 0 deadlocks holding its GIL: running, but no beat and no mark. The limit of its
+    # phase is the floor (10 s): 5 x 0.5 s is less.
+    frozen_at = clock.t
+    d = None
+    while d is None and clock.t - frozen_at < 30:
+        beat(kv, 1, 9)
+        beat(kv, 2, 9)
+        d = advance(monitor, clock, 0.5)
+    assert d.classification.rank == 0
+    assert "no progress for" in d.classification.reason
+    assert 10.0 < clock.t - frozen_at <= 10.5 + 0.5
 
 
 def test_a_rank_that_finished_is_never_accused(kv):
@@ -121,3 +194,32 @@ def test_hearsay_that_stays_alone_blames_the_silent_rank_after_the_grace(kv):
     assert advance(monitor, clock, 0.2) is None
     d = advance(monitor, clock, 0.4)
     assert d.classification.rank == 2 and d.classification.kind.value == "transient"
+
+
+def test_a_process_stopped_before_its_first_beat_is_hung(kv):
+    # Heartbeats start after the first iteration; a SIGSTOP during start-up is still seen.
+    clock, codes, procs = Clock(), {}, Processes()
+    monitor = make(kv, codes, clock, procs)
+    procs.states[1] = "stopped"
+    assert advance(monitor, clock, 0.1) is None
+    assert advance(monitor, clock, 2.0) is None
+    d = advance(monitor, clock, 0.2)
+    assert d.classification.rank == 1 and "stopped" in d.classification.reason
+
+
+def test_during_a_recovery_a_computing_rank_is_waited_for_and_a_stuck_one_is_lost(kv):
+    clock, codes, procs = Clock(), {}, Processes()
+    monitor = make(kv, codes, clock, procs)
+    for _ in range(4):
+        for rank in (0, 1, 2):
+            procs.progress(rank)
+        advance(monitor, clock, 0.5)
+    codes[2] = -9
+    assert "killed by signal SIGKILL" in monitor.lost(2)
+    clock.t += 9.0  # rank 0 computes towards its next phase boundary: 9 s, under its limit
+    assert monitor.lost(0) is None
+    procs.progress(0)
+    clock.t += 9.0
+    assert monitor.lost(0) is None
+    clock.t += 2.0  # rank 1 has shown nothing for 20 s: past the 10 s limit
+    assert "no progress for" in monitor.lost(1)
