@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging("" if env.under_launcher else f"rank {env.rank}")
     if env.role == ROLE_SPARE:
-        from deadpool_megatron.control.spare import run_spare
+        from deadpool_megatron.process.spare import run_spare
 
         return run_spare(env, cfg)
-    from deadpool_megatron.megatron.worker import run_worker
+    from deadpool_megatron.process.worker import run_worker
 
     return run_worker(cfg, env)
 

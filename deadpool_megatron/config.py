@@ -17,7 +17,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from .endpoints import parse_endpoints
 from .errors import ConfigError
+from .failure.hang import HangPolicy
+from .failure.heartbeat import check_heartbeat_times
+from .failure.inject import parse_faults
 from .runtime import ENV_SPARES
 
 
@@ -489,12 +493,8 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
         dpc.deadpool_snapshot_interval >= 1,
         f"--deadpool-snapshot-interval={dpc.deadpool_snapshot_interval} must be a positive integer",
     )
-    from .failure.heartbeat import check_heartbeat_times
-    from .failure.inject import parse_faults
 
     check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
-    from .failure.hang import HangPolicy
-
     HangPolicy.from_config(dpc)  # raises ConfigError naming the flag
     _require(
         dpc.deadpool_health_check_interval >= 0,
@@ -502,8 +502,6 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
         "or a positive number of seconds",
     )
     if dpc.deadpool_store == "etcd":
-        from .control.etcd_store import parse_endpoints
-
         _require(
             bool(dpc.deadpool_etcd_endpoints),
             "--deadpool-store etcd needs --deadpool-etcd-endpoints http://HOST:PORT[,...]",

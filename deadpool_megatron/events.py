@@ -1,7 +1,8 @@
 """The event log: one JSON object per line, one line per event, from any process of the job.
 
-Every record carries wall-clock `time`, `event`, `generation` and `rank` (None for the
-launcher), plus the event's own fields. Several processes append to the same file; each
+Every record carries wall-clock `time`, `event`, `generation` (read, at the time of the event,
+from the process's job context: the log keeps no copy) and `rank` (None for the launcher and
+idle spares), plus the event's own fields. Several processes append to the same file; each
 record is one write() of one short line to a file opened with O_APPEND, which local file
 systems keep whole.
 """
@@ -12,6 +13,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 # Event names, declared once (the report and the tests read them).
@@ -31,10 +33,15 @@ RECOVERY_DONE = "recovery_done"  # total_s: failure to the first resumed iterati
 
 
 class EventLog:
-    def __init__(self, path: str | None, rank: int | None = None, generation: int = 0):
+    def __init__(
+        self,
+        path: str | None,
+        rank: int | None = None,
+        generation: Callable[[], int] = lambda: 0,
+    ):
         self.path = path
         self.rank = rank
-        self.generation = generation
+        self._generation = generation
         self._lock = threading.Lock()
         self._fd = None
         if path:
@@ -45,7 +52,7 @@ class EventLog:
         record = {
             "time": time.time() if at is None else at,
             "event": event,
-            "generation": self.generation,
+            "generation": self._generation(),
             "rank": self.rank,
             **fields,
         }

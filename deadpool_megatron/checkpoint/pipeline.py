@@ -2,8 +2,9 @@
 step: snapshot (device-to-host) into ping-pong host buffers, then ring replication of the
 optimizer shard + metadata to the DP-ring successors, both off the critical path.
 
-The only wait the training loop can see is the fence installed as a pre-step hook on the
-optimizer: the next optimizer step must not modify the state while it is still being copied.
+The only wait the training loop can see is the fence the caller installs before each
+optimizer step (`install_fence`, megatron/hooks.py for megatron-core): the next step must not
+modify the state while it is still being copied.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from ..errors import ConfigError
-from ..megatron.shard import RankState, view_of
 from .buffers import SAMPLES
+from .layout import ProtectedState, view_of
 from .replicator import RingReplicator
 from .snapshot import Snapshotter
 from .transport import Transport
@@ -51,7 +53,7 @@ def check_host_memory(needed_per_rank: int, local_ranks: int) -> None:
 class ProtectionPipeline:
     def __init__(
         self,
-        state: RankState,
+        state: ProtectedState,
         transport: Transport,
         successors: list[int],
         predecessors: list[int],
@@ -60,7 +62,14 @@ class ProtectionPipeline:
         snapshot_interval: int = 1,
         local_ranks: int = 1,
         metadata: dict | None = None,
+        install_fence: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+        before_send: Callable[[int], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
     ):
+        """`install_fence(fence)` makes the training loop call `fence()` before every optimizer
+        step and returns the function that removes it; `before_send(iteration)` runs in the
+        replication thread before each send (fault injection), `on_error(err)` there when
+        replication fails (the training thread may never notice)."""
         self.state = state
         layout = state.layout
         self.interval = snapshot_interval
@@ -85,14 +94,13 @@ class ProtectionPipeline:
             self.snapshotter.slots,
             layout.optimizer_nbytes,
             replica_nbytes,
+            before_send=before_send,
+            on_error=on_error,
         )
         self.stats = PipelineStats()
         self._previous: int | None = None  # iteration of the last snapshot started
         self._enabled = True
-        self._hooks = [
-            megatron_opt.optimizer.register_step_pre_hook(self._fence_hook)
-            for megatron_opt in getattr(state.optimizer, "chained_optimizers", [state.optimizer])
-        ]
+        self._remove_fence = install_fence(self.snapshotter.fence) if install_fence else _nothing
 
     @property
     def enabled(self) -> bool:
@@ -110,9 +118,6 @@ class ProtectionPipeline:
         if key not in self._views:
             self._views[key] = [view_of(buffer, e) for e in self.state.layout.entries]
         return self._views[key]
-
-    def _fence_hook(self, optimizer, args, kwargs) -> None:
-        self.snapshotter.fence()
 
     def _on_commit(self, slot) -> None:
         self.replicator.notify()
@@ -165,8 +170,7 @@ class ProtectionPipeline:
         self.snapshotter.wait_committed()
         self.replicator.close()
         self.snapshotter.close()
-        for hook in self._hooks:
-            hook.remove()
+        self._remove_fence()
 
     def abort(self, timeout: float = 10.0) -> None:
         """Stop after a failure, keeping every committed snapshot and replica for the recovery.
@@ -178,9 +182,12 @@ class ProtectionPipeline:
             if not self.replicator.abort(timeout):
                 log.warning("the replication thread did not stop within %.0f s", timeout)
             self.snapshotter.close()
-            for hook in self._hooks:
-                hook.remove()
+            self._remove_fence()
 
     @property
     def errors(self) -> list[str]:
         return self.snapshotter.errors + self.replicator.errors
+
+
+def _nothing() -> None:
+    pass

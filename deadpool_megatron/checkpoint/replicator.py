@@ -19,6 +19,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,8 @@ class RingReplicator:
         snapshots: SlotPair,
         payload_nbytes: int,
         replica_nbytes: dict[int, int],
+        before_send: Callable[[int], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
     ):
         self.transport = transport
         self.successors = successors
@@ -68,8 +71,8 @@ class RingReplicator:
         self._stop = False
         self._aborted = False
         self._corrupt_next: set[int] = set()
-        self.before_send = None  # fault injection: called with the iteration about to be sent
-        self.on_error = None  # called (from this thread) with the error that stopped it
+        self.before_send = before_send  # fault injection: the iteration about to be sent
+        self.on_error = on_error  # called (from this thread) with the error that stopped it
         self._thread = threading.Thread(target=self._run, name="deadpool-replicate", daemon=True)
         self._thread.start()
 

@@ -14,13 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DeadpoolError
-from ..megatron.shard import RankState
 from .buffers import Slot, SlotPair, checksum
+from .layout import ProtectedState
 
 _HEADER = struct.Struct("<qqQ")  # iteration, meta length, checksum
 
 
-def restore_from_snapshot(state: RankState, slot: Slot | None) -> int:
+def restore_from_snapshot(state: ProtectedState, slot: Slot | None) -> int:
     """Roll this rank back to its own committed snapshot; returns its iteration."""
     if slot is None or not slot.committed:
         raise DeadpoolError("no committed local snapshot to restore from")
@@ -31,7 +31,7 @@ def restore_from_snapshot(state: RankState, slot: Slot | None) -> int:
 
 
 def restore_from_parts(
-    state: RankState, optimizer_part: torch.Tensor, meta: bytes, params_part: torch.Tensor
+    state: ProtectedState, optimizer_part: torch.Tensor, meta: bytes, params_part: torch.Tensor
 ) -> int:
     """Rebuild a rank from a replica of its optimizer shard and a peer's parameters."""
     layout = state.layout

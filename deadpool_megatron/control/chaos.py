@@ -1,62 +1,78 @@
-"""Chaos mode: the launcher kills or hangs random ranks with exponential inter-arrival times.
+"""Chaos mode: the agent kills or hangs random ranks with exponential inter-arrival times.
 
 The schedule is the pure, seeded `ChaosSchedule`; this file carries it out on this node's
-processes (SIGKILL for a crash, SIGSTOP for a hang), starting the clock at the first
-iteration, and reports each injection like an injected fault so its detection is timed.
+processes (SIGKILL for a crash, SIGSTOP for a hang). Its clock runs only while the job trains:
+it starts at the first iteration, and time the agent spent elsewhere (a recovery) is not
+counted, so faults arrive at the rate asked for and never in a burst of overdue ones. Each
+injection is recorded like an injected fault (with the generation it happened in), so its
+detection is timed.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 
 from ..events import FAULT_INJECTED, EventLog
-from ..failure.inject import ChaosSchedule
+from ..failure.inject import ChaosEvent, ChaosSchedule
 from . import keys
-from .store import KVStore
+from .context import JobContext
+from .messages import Injection
 
 log = logging.getLogger("deadpool.chaos")
 
+# A gap between two looks longer than this means the agent was busy (a recovery): the chaos
+# clock does not run meanwhile.
+PAUSE_S = 1.0
+
 
 class Chaos:
-    def __init__(self, settings, workers: dict, kv: KVStore, job: str, events: EventLog):
-        self.workers = workers
-        self.kv = kv
-        self.job = job
+    def __init__(
+        self,
+        mtbf_s: float | None,
+        seed: int,
+        world_size: int,
+        ctx: JobContext,
+        pids: Callable[[], Mapping[int, int]],
+        events: EventLog,
+        clock: Callable[[], float] = time.time,
+        kill: Callable[[int, int], None] = os.kill,
+    ):
+        """`pids()`: rank -> pid of this node's live workers, at the time of the look."""
+        self.ctx = ctx
+        self._pids = pids
         self.events = events
-        self._schedule = None
-        if settings.deadpool_chaos_mtbf:
-            world = max(workers) + 1 if workers else 0
-            self._schedule = iter(
-                ChaosSchedule(settings.deadpool_chaos_mtbf, settings.deadpool_chaos_seed, world)
-            )
-        self._next = None
-        self._t0: float | None = None
+        self._clock = clock
+        self._kill = kill
+        self._schedule = iter(ChaosSchedule(mtbf_s, seed, world_size)) if mtbf_s else None
+        self._next: ChaosEvent | None = None
+        self._elapsed = 0.0  # seconds of training the chaos clock has counted
+        self._last: float | None = None
+        self.injected: list[tuple[float, str]] = []
 
     def step(self, iteration: int) -> None:
-        """Inject every event that is due; the clock starts once training does."""
+        """Inject the event that is due, if any; the clock starts once training does."""
         if self._schedule is None or iteration < 1:
             return
-        now = time.time()
-        if self._t0 is None:
-            self._t0 = now
-        while True:
-            if self._next is None:
-                self._next = next(self._schedule)
-            if now - self._t0 < self._next.offset_s:
-                return
-            event, self._next = self._next, None
-            child = self.workers.get(event.rank)
-            if child is None or child.proc.poll() is not None:
+        now = self._clock()
+        if self._last is not None and now - self._last <= PAUSE_S:
+            self._elapsed += now - self._last
+        self._last = now
+        if self._next is None:
+            self._next = next(self._schedule)
+        while self._next.offset_s <= self._elapsed:
+            event, self._next = self._next, next(self._schedule)
+            pid = self._pids().get(event.rank)
+            if pid is None:
                 continue  # another node's rank, or already gone
             fault = f"chaos-{event.action}@{event.rank}"
-            self.kv.set(
-                keys.injected(self.job, 0, event.rank),
-                json.dumps({"fault": fault, "at": now}).encode(),
-            )
+            self.ctx.put(keys.injected(self.ctx.job, event.rank),
+                         Injection(fault, now, self.ctx.generation))  # fmt: skip
             self.events.emit(FAULT_INJECTED, rank=event.rank, fault=fault)
-            log.warning("chaos: %s (pid %d) at %.1f s", fault, child.proc.pid, now - self._t0)
-            os.kill(child.proc.pid, signal.SIGKILL if event.action == "kill" else signal.SIGSTOP)
+            self.injected.append((self._elapsed, fault))
+            log.warning("chaos: %s (pid %d) at %.1f s of training", fault, pid, self._elapsed)
+            self._kill(pid, signal.SIGKILL if event.action == "kill" else signal.SIGSTOP)
+            return  # at most one per look: the job answers before the next one

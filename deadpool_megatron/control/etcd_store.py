@@ -16,24 +16,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from ..errors import ConfigError, DeadpoolError
+from ..endpoints import parse_endpoints
+from ..errors import DeadpoolError
 from .store import KVStore, StoreTimeout, StoreUnreachable
+
+__all__ = ["EtcdKVStore", "parse_endpoints"]
 
 
 def _b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def parse_endpoints(endpoints: str | Sequence[str]) -> list[str]:
-    """``http://a:2379,http://b:2379`` (the --deadpool-etcd-endpoints form) -> URL list."""
-    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
-    urls = [e.strip().rstrip("/") for e in items if e.strip()]
-    if not urls:
-        raise ConfigError(f"--deadpool-etcd-endpoints={endpoints!r} names no endpoint")
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"etcd endpoint {url!r} must be a URL such as http://127.0.0.1:2379")
-    return urls
 
 
 class EtcdKVStore(KVStore):

@@ -23,6 +23,13 @@ def job_prefix(job: str) -> str:
     return _job(job) + "/"
 
 
+def process_group_prefix(job: str, generation: int) -> str:
+    """Where `generation`'s process groups meet in the torch store (not a control-plane key):
+    a recovery (new generation) or a restarted job (new job id) never meets a dead process's
+    addresses there."""
+    return f"{job}/gen{generation}"
+
+
 def membership(job: str) -> str:
     """The current `Membership` (JSON); changed only by compare-and-swap."""
     return f"{_job(job)}/membership"
@@ -33,17 +40,12 @@ def heartbeat(job: str, generation: int, rank: int) -> str:
     return f"{_job(job)}/gen/{generation}/heartbeat/{rank}"
 
 
-def failure(job: str, generation: int) -> str:
-    """The failure that ends `generation` (first writer wins, by compare-and-swap)."""
-    return f"{_job(job)}/gen/{generation}/failure"
-
-
-def spare(job: str, spare_id: str | int) -> str:
-    """Registration of a spare (its process id), written by the spare itself."""
+def spare(job: str, spare_id: str) -> str:
+    """Registration of an idle spare (`messages.spare_id`), written by the spare itself."""
     return f"{_job(job)}/spare/{spare_id}"
 
 
-def spare_claim(job: str, spare_id: str | int) -> str:
+def spare_claim(job: str, spare_id: str) -> str:
     """Who claimed a spare; created once, by compare-and-swap, so only one claimer wins."""
     return f"{_job(job)}/spare/{spare_id}/claim"
 
@@ -58,9 +60,10 @@ def report(job: str, generation: int, rank: int) -> str:
     return f"{_job(job)}/gen/{generation}/report/{rank}"
 
 
-def injected(job: str, generation: int, rank: int) -> str:
-    """When a fault was injected into `rank` (detection latency is measured from it)."""
-    return f"{_job(job)}/gen/{generation}/injected/{rank}"
+def injected(job: str, rank: int) -> str:
+    """The last fault injected into `rank` (an Injection: when, in which generation); the
+    agent measures detection latency from it, across generations."""
+    return f"{_job(job)}/injected/{rank}"
 
 
 def nodes_done(job: str) -> str:
@@ -68,7 +71,7 @@ def nodes_done(job: str) -> str:
     return f"{_job(job)}/nodes_done"
 
 
-def spare_heartbeat(job: str, spare_id: str | int) -> str:
+def spare_heartbeat(job: str, spare_id: str) -> str:
     """Last beat of an idle spare (spares have no rank and no generation)."""
     return f"{_job(job)}/spare/{spare_id}/heartbeat"
 

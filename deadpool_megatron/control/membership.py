@@ -8,17 +8,11 @@ special: rank 0 is replaced like any other.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import NamedTuple
-
-from ..errors import DeadpoolError
 from . import keys
+from .messages import Claim, Member, Membership, MembershipError
 from .store import KVStore
 
-
-class MembershipError(DeadpoolError):
-    """A membership that is malformed, missing, or cannot be changed as asked."""
+__all__ = ["Member", "Membership", "MembershipError", "MembershipStore", "StaleGeneration"]
 
 
 class StaleGeneration(MembershipError):
@@ -31,58 +25,6 @@ class StaleGeneration(MembershipError):
         )
         self.writer_generation = writer_generation
         self.current_generation = current_generation
-
-
-class Member(NamedTuple):
-    rank: int
-    process_id: str
-    coords: tuple[int, int, int]  # (tp, pp, dp)
-
-
-@dataclass(frozen=True)
-class Membership:
-    generation: int
-    ranks: tuple[Member, ...]
-    spares: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        members = tuple(
-            sorted((Member(int(r), str(p), tuple(int(c) for c in xyz)) for r, p, xyz in self.ranks))
-        )
-        object.__setattr__(self, "ranks", members)
-        object.__setattr__(self, "spares", tuple(str(s) for s in self.spares))
-        if self.generation < 0:
-            raise MembershipError(f"generation {self.generation} must be 0 or more")
-        rank_list = [m.rank for m in members]
-        if len(set(rank_list)) != len(rank_list):
-            raise MembershipError(f"ranks {rank_list} are not unique")
-        holders = [m.process_id for m in members] + list(self.spares)
-        if len(set(holders)) != len(holders):
-            raise MembershipError(f"process ids {holders} (ranks, then spares) are not unique")
-
-    def member(self, rank: int) -> Member:
-        for m in self.ranks:
-            if m.rank == rank:
-                return m
-        known = [m.rank for m in self.ranks]
-        raise MembershipError(f"rank {rank} is not in generation {self.generation} (ranks {known})")
-
-    def to_json(self) -> bytes:
-        """Canonical bytes: equal views serialise identically, which compare-and-swap needs."""
-        doc = {
-            "generation": self.generation,
-            "ranks": [[m.rank, m.process_id, list(m.coords)] for m in self.ranks],
-            "spares": list(self.spares),
-        }
-        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> Membership:
-        try:
-            doc = json.loads(data)
-            return cls(doc["generation"], tuple(doc["ranks"]), tuple(doc.get("spares", ())))
-        except (ValueError, KeyError, TypeError) as err:
-            raise MembershipError(f"malformed membership {data[:200]!r}: {err}") from err
 
 
 def replace(view: Membership, failed_rank: int, spare_id: str | None = None) -> Membership:
@@ -120,9 +62,9 @@ class MembershipStore:
 
     def create(self, initial: Membership) -> None:
         """Write the first view; refused if the job already has one."""
-        ok, existing = self._store.compare_and_swap(self._key, None, initial.to_json())
+        ok, existing = self._store.compare_and_swap(self._key, None, initial.encode())
         if not ok:
-            generation = Membership.from_json(existing).generation if existing else "?"
+            generation = Membership.decode(existing).generation if existing else "?"
             raise MembershipError(
                 f"job {self._job} already has a membership (generation {generation}) "
                 f"in the store at {self._store.endpoint}"
@@ -130,7 +72,7 @@ class MembershipStore:
 
     def current(self) -> Membership | None:
         raw = self._store.get(self._key)
-        return None if raw is None else Membership.from_json(raw)
+        return None if raw is None else Membership.decode(raw)
 
     def _read(self) -> tuple[bytes, Membership]:
         raw = self._store.get(self._key)
@@ -138,7 +80,7 @@ class MembershipStore:
             raise MembershipError(
                 f"job {self._job} has no membership in the store at {self._store.endpoint}"
             )
-        return raw, Membership.from_json(raw)
+        return raw, Membership.decode(raw)
 
     def commit(self, new: Membership, writer_generation: int) -> None:
         """Make `new` (planned from generation `writer_generation`) the current view.
@@ -154,9 +96,9 @@ class MembershipStore:
         raw, view = self._read()
         if view.generation != writer_generation:
             raise StaleGeneration(self._job, writer_generation, view.generation)
-        ok, now = self._store.compare_and_swap(self._key, raw, new.to_json())
+        ok, now = self._store.compare_and_swap(self._key, raw, new.encode())
         if not ok:
-            current = Membership.from_json(now).generation if now else -1
+            current = Membership.decode(now).generation if now else -1
             raise StaleGeneration(self._job, writer_generation, current)
 
     def claim_spare(self, spare_id: str, by_generation: int, claimer: str = "") -> bool:
@@ -173,6 +115,8 @@ class MembershipStore:
                 f"spare {spare_id!r} is not free in generation {view.generation} "
                 f"(free: {list(view.spares)})"
             )
-        claim = json.dumps({"generation": by_generation, "claimer": claimer}).encode()
-        ok, _ = self._store.compare_and_swap(keys.spare_claim(self._job, spare_id), None, claim)
+        claim = Claim(claimer, by_generation)
+        ok, _ = self._store.compare_and_swap(
+            keys.spare_claim(self._job, spare_id), None, claim.encode()
+        )
         return ok

@@ -13,7 +13,6 @@ the pure function in failure/classify.py; this file only gathers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +38,15 @@ from ..failure.hang import STOPPED_STATES, HangPolicy, ProgressTracker, Verdict,
 from ..failure.heartbeat import HeartbeatDetector
 from ..failure.progress import ProgressMark
 from . import keys
-from .store import KVStore
+from .context import JobContext
+from .messages import (
+    COLLECTIVE_ERROR,
+    HEALTH_CHECK,
+    INJECTED_TRANSIENT,
+    FailureReport,
+    Heartbeat,
+    Injection,
+)
 
 STORE_POLL_S = 0.1
 
@@ -83,24 +90,25 @@ def _is_hearsay(e: Evidence) -> bool:
 
 
 class Monitor:
+    """Watches `ranks` in the generation `ctx` is at (read at every poll: when it moves on,
+    the old generation's heartbeats and reports are forgotten)."""
+
     def __init__(
         self,
-        kv: KVStore,
-        job: str,
+        ctx: JobContext,
         ranks: list[int],
         returncode: Callable[[int], int | None],
         heartbeat_interval_s: float,
         policy: HangPolicy,
         watch_heartbeats: bool,
         clock: Callable[[], float] = time.time,
-        generation: int = 0,
         probe: Callable[[int], ProcessProbe | None] = lambda rank: None,
         on_suspect: Callable[[int, str], None] = lambda rank, reason: None,
     ):
-        self.kv = kv
-        self.job = job
+        self.ctx = ctx
+        self.job = ctx.job
         self.ranks = ranks
-        self.generation = generation
+        self._generation = ctx.generation  # which generation's keys the state below is of
         self._returncode = returncode
         self.watch_heartbeats = watch_heartbeats
         self.hang_policy = policy
@@ -109,16 +117,19 @@ class Monitor:
         self._on_suspect = on_suspect
         self._watched: dict[int, _Watched] = {}
         self._clock = clock
-        self._last_beat: dict[int, bytes] = {}
+        self._last_beat: dict[int, Heartbeat] = {}
         self._next_store_poll = 0.0
         self.iteration = 0  # the highest iteration any heartbeat reported
         self.history = FailureHistory()
         self.policy = ClassifyPolicy()
         self._reports: dict[int, Evidence] = {}
+        self._consumed: dict[int, float] = {}  # injection times already attributed, per rank
         self.hearsay_grace_s = heartbeat_interval_s
 
     def poll(self) -> Detection | None:
         """One look at everything; a Detection when the evidence is conclusive."""
+        if self.ctx.generation != self._generation:
+            self._enter(self.ctx.generation)
         now = self._clock()
         evidence: list[Evidence] = []
         for rank in self.ranks:
@@ -213,43 +224,52 @@ class Monitor:
 
     def _read_heartbeats(self, now: float) -> None:
         for rank in self.ranks:
-            raw = self.kv.get(keys.heartbeat(self.job, self.generation, rank))
+            beat = self.ctx.get(keys.heartbeat(self.job, self._generation, rank), Heartbeat)
             if (
-                raw is not None
-                and raw != self._last_beat.get(rank)
+                beat is not None
+                and beat != self._last_beat.get(rank)
                 and self._returncode(rank) is None
             ):
-                self._last_beat[rank] = raw
+                self._last_beat[rank] = beat
                 self.detector.beat(rank, now)
-                self.iteration = max(self.iteration, json.loads(raw).get("iteration", 0))
+                self.iteration = max(self.iteration, beat.iteration)
 
     def _read_reports(self) -> None:
         for rank in self.ranks:
             if rank in self._reports:
                 continue
-            raw = self.kv.get(keys.report(self.job, self.generation, rank))
-            if raw is None:
+            r = self.ctx.get(keys.report(self.job, self._generation, rank), FailureReport)
+            if r is None:
                 continue
-            r = json.loads(raw)
-            if r["kind"] == "injected_transient":
-                self._reports[rank] = InjectedTransient(rank, r["at"])
-            elif r["kind"] == "health_check":
-                self._reports[rank] = HealthCheckFailed(rank, r["message"], r["at"])
+            if r.kind == INJECTED_TRANSIENT:
+                self._reports[rank] = InjectedTransient(rank, r.at)
+            elif r.kind == HEALTH_CHECK:
+                self._reports[rank] = HealthCheckFailed(rank, r.message, r.at)
             else:
-                self._reports[rank] = CollectiveError(rank, r["message"], r["at"])
+                assert r.kind == COLLECTIVE_ERROR, r.kind
+                self._reports[rank] = CollectiveError(rank, r.message, r.at)
 
     def _injected_at(self, rank: int) -> float | None:
-        raw = self.kv.get(keys.injected(self.job, self.generation, rank))
-        return json.loads(raw)["at"] if raw is not None else None
+        """When the fault behind this failure was injected, if one was (each injection is
+        attributed to one detection only: a later, natural failure has no latency)."""
+        inj = self.ctx.get(keys.injected(self.job, rank), Injection)
+        if inj is None or inj.at <= self._consumed.get(rank, float("-inf")):
+            return None
+        self._consumed[rank] = inj.at
+        return inj.at
 
-    def advance(self, generation: int) -> None:
+    def _enter(self, generation: int) -> None:
         """Watch `generation` from now on (after a recovery): its heartbeats and reports.
         The failure history stays, so a rank that keeps failing transiently is escalated."""
-        self.generation = generation
+        self._generation = generation
         self._reports.clear()
         self._last_beat.clear()
         for rank in self.ranks:
             self.detector.forget(rank)
+
+    def record_transient(self, rank: int, at: float) -> None:
+        """A transient failure of `rank` was acted on (it counts towards escalation)."""
+        self.history = self.history.record(rank, at).prune(at, self.policy.window_s)
 
     def forget(self, rank: int) -> None:
         """Stop watching a rank (fenced or ended)."""

@@ -32,6 +32,10 @@ class HealthCheck:
         self.expected = _probe(device)
         self.broken = False  # fault injection: unhealthy@RANK:ITER
 
+    def break_device(self) -> None:
+        """Fault injection (unhealthy@RANK:ITER): every later probe computes a wrong result."""
+        self.broken = True
+
     def run(self) -> str | None:
         """None when healthy, else what is wrong (one line)."""
         try:

@@ -1,7 +1,7 @@
 """torch.distributed and megatron-core parallel_state set-up and teardown.
 
-Kept in one place because recovery (a later issue) tears these down and builds them again on a
-fresh store prefix: every group this job uses is created here.
+Kept in one place because a recovery tears these down and builds them again on a fresh store
+prefix: every group this job uses is created here.
 """
 
 from __future__ import annotations
@@ -33,12 +33,6 @@ def connect_store(host: str, port: int, world_size: int, timeout_s: float = 300.
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-
-
-def store_prefix(job: str, generation: int) -> str:
-    """Where one generation's process groups meet in the store: a recovery (new generation) or
-    a restarted job (new job id) never meets a dead process's addresses."""
-    return f"{job}/gen{generation}"
 
 
 def init_distributed(

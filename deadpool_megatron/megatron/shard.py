@@ -15,10 +15,10 @@ first capture checks the live state against the plan.
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
 
 import torch
 
+from ..checkpoint.layout import Entry, StateLayout, align, itemsize, numel
 from ..errors import DeadpoolError
 from .digest import inner_optimizers
 from .rng import capture_rng_state, restore_rng_state
@@ -27,38 +27,12 @@ from .rng import capture_rng_state, restore_rng_state
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Where every live tensor sits in the flat snapshot buffer."""
-
-    entries: tuple[Entry, ...]
-    optimizer_nbytes: int
-    total_nbytes: int
-
-    @property
-    def params_nbytes(self) -> int:
-        return self.total_nbytes - self.optimizer_nbytes
-
-
-def _align(n: int, to: int = 64) -> int:
-    return (n + to - 1) // to * to
-
-
 def _has_step_in_state(torch_opt) -> bool:
     return isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW))
 
 
 class RankState:
-    """The live tensors of one rank, bound to a fixed StateLayout."""
+    """The live tensors of one rank, bound to a fixed StateLayout (a ProtectedState)."""
 
     def __init__(self, model: list, optimizer, scheduler):
         self.model = model
@@ -72,15 +46,15 @@ class RankState:
         ]
         entries, offset = [], 0
         for name, dtype, shape in self._optimizer_specs:
-            nbytes = _numel(shape) * _itemsize(dtype)
+            nbytes = numel(shape) * itemsize(dtype)
             entries.append(Entry(name, offset, nbytes, dtype, shape))
-            offset = _align(offset + nbytes)
+            offset = align(offset + nbytes)
         optimizer_nbytes = offset
         for name, p in self._param_tensors:
             entries.append(
                 Entry(name, offset, p.numel() * p.element_size(), p.dtype, tuple(p.shape))
             )
-            offset = _align(offset + p.numel() * p.element_size())
+            offset = align(offset + p.numel() * p.element_size())
         self.layout = StateLayout(tuple(entries), optimizer_nbytes, offset)
         self._bound: list[torch.Tensor] | None = None
 
@@ -164,19 +138,3 @@ class RankState:
                 continue
             src = flat[entry.offset : entry.offset + entry.nbytes]
             t.copy_(src.view(entry.dtype).view(entry.shape), non_blocking=False)
-
-
-def view_of(flat: torch.Tensor, entry: Entry) -> torch.Tensor:
-    """The part of a flat uint8 buffer that holds `entry`, typed and shaped like it."""
-    return flat[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -17,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig, data_parallel_size
 from ..failure.progress import ProgressBoard
 from ..metrics import MetricsWriter, iteration_line
@@ -48,8 +51,36 @@ def _no_fault(iteration: int, phase: str) -> None:
     pass
 
 
+def _go_on() -> None:
+    pass
+
+
+def _nothing_after(trainer: Trainer) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the training loop calls besides training, each a no-op by default.
+
+    At every phase boundary (forward, backward, optimizer, snapshot) the loop marks its
+    progress, then calls `check_stop()`, which raises when a recovery was ordered (an explicit
+    step of the loop: a stop order is obeyed at the next boundary), then `inject(iteration,
+    phase)` (fault injection). `after_iteration(trainer)` runs after each iteration's
+    bookkeeping."""
+
+    check_stop: Callable[[], None] = _go_on
+    inject: Callable[[int, str], None] = _no_fault
+    after_iteration: Callable[[Trainer], None] = _nothing_after
+
+
 class Trainer:
-    """Owns one rank's training: state, data, metrics, and the iteration counter."""
+    """Owns one rank's training: state, data, metrics, and the iteration counter.
+
+    From outside it is driven through a narrow interface: `train()`, `detach()` after a
+    failure (gives up the state and hands back the protection pipeline, whose buffers a
+    recovery still needs), and `attach(state, iteration, pipeline)` to go on with rebuilt
+    state; nobody else writes its fields."""
 
     def __init__(
         self,
@@ -58,8 +89,12 @@ class Trainer:
         world_size: int,
         on_gpu: bool,
         progress: ProgressBoard | None = None,
+        hooks: LoopHooks | None = None,
+        iteration: int = 0,
+        pipeline: ProtectionPipeline | None = None,
     ):
         self.cfg = cfg
+        self.hooks = hooks or LoopHooks()
         # Phase boundaries, marked where the agent can read them without this process's GIL.
         self.progress = progress or ProgressBoard()
         self.on_gpu = on_gpu
@@ -70,19 +105,21 @@ class Trainer:
         self.corpus = build_corpus(
             cfg.data, cfg.model, t.seed, num_samples=t.train_iters * t.global_batch_size
         )
-        self.iteration = 0
-        self.pipeline = None  # DeadPool's protection pipeline, when --deadpool is on
         self.async_queue = checkpointing.new_async_queue(cfg)  # --async-save
-        self.fire = _no_fault  # fault injection: fire(iteration, phase)
         self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
         # On gloo, collectives a recovery can interrupt (megatron-core gets the same view).
         self.dist = dist if on_gpu else gloo_ops.distributed_view()
         self.metrics = MetricsWriter(cfg.logging.metrics_jsonl if self.is_logging_rank else None)
-        self.attach(state)
+        self.attach(state, iteration, pipeline)
 
-    def attach(self, state: TrainState) -> None:
-        """Train `state` from now on (a rebuilt model after a recovery, too)."""
+    def attach(
+        self, state: TrainState, iteration: int, pipeline: ProtectionPipeline | None = None
+    ) -> None:
+        """Train `state` from `iteration` on, protected by `pipeline` (DeadPool's, with
+        --deadpool); after a recovery, the rebuilt model and the generation's pipeline."""
         self.state = state
+        self.iteration = iteration
+        self.pipeline = pipeline
         tcfg = state.transformer_config
         tcfg.finalize_model_grads_func = finalize_model_grads
         if self.cfg.training.fp16:
@@ -139,9 +176,8 @@ class Trainer:
         self.dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         return (loss / self.dp_size).item()
 
-    def train(self, on_iteration=None) -> None:
-        """Train to --train-iters (or --exit-interval); `on_iteration(trainer)` runs after each
-        iteration's bookkeeping (tests and fault injection hook in there)."""
+    def train(self) -> None:
+        """Train to --train-iters (or --exit-interval)."""
         t, c = self.cfg.training, self.cfg.checkpoint
         last = min(t.train_iters, t.exit_interval or t.train_iters)
         while self.iteration < last:
@@ -173,16 +209,28 @@ class Trainer:
                 it = self.iteration
                 self.progress.mark(it, "save")
                 checkpointing.save(
-                    self.cfg, self.state, it, lambda it=it: self.fire(it, "save"), self.async_queue
+                    self.cfg,
+                    self.state,
+                    it,
+                    lambda it=it: self.hooks.inject(it, "save"),
+                    self.async_queue,
                 )
             self.progress.mark(self.iteration, "done")
-            if on_iteration is not None:
-                on_iteration(self)
+            self.hooks.after_iteration(self)
 
     def _phase(self, iteration: int, phase: str) -> None:
-        """A phase boundary: mark the progress, then let a fault (or a stop order) act."""
+        """A phase boundary: mark the progress, obey a stop order, let a fault act."""
         self.progress.mark(iteration, phase)
-        self.fire(iteration, phase)
+        self.hooks.check_stop()
+        self.hooks.inject(iteration, phase)
+
+    def detach(self) -> ProtectionPipeline | None:
+        """After a failure: give up the state (the old model, DDP and optimizer hold the old
+        process groups) and saves in flight; returns the protection pipeline, whose committed
+        buffers the recovery still serves from."""
+        pipeline, self.pipeline, self.state = self.pipeline, None, None
+        self.abandon_saves()
+        return pipeline
 
     def finalize_saves(self) -> None:
         """Wait for every asynchronous save to be written and committed (all ranks)."""
@@ -190,8 +238,8 @@ class Trainer:
             self.async_queue.maybe_finalize_async_calls(blocking=True)
 
     def abandon_saves(self) -> None:
-        """After a failure: saves in flight are never committed (their finalization needs the
-        old generation's groups), so --load never sees them; start a fresh queue."""
+        """Saves in flight are never committed (their finalization needs the old generation's
+        groups), so --load never sees them; start a fresh queue."""
         if self.async_queue is not None:
             self.async_queue = checkpointing.new_async_queue(self.cfg)
 

@@ -1,1 +1,2 @@
-"""Hot-swap recovery: plan (pure), then rebuild and restore (the hot-swap issue)."""
+"""Hot-swap recovery: the plan (pure), the agent's coordination of a recovery, each process's
+stages (stop, report, await the plan, rebuild, restore, verify, resume), communicator abort."""

@@ -1,23 +1,36 @@
-"""The launcher's half of a hot-swap: order the stop, gather what every live rank holds, plan,
+"""The agent's half of a hot-swap: order the stop, gather what every live rank holds, plan,
 claim spares, commit the new generation, publish the plan, and time the recovery.
 
-The processes carry the plan out themselves (recovery/hotswap.py); the launcher only writes
-keys and watches. A rank that dies before it reports its holdings is added to the failed
-ones of the same recovery; a failure after the plan is published (a survivor or the spare
-dying mid-rebuild) is a new failure, recovered in the next generation.
+The processes carry the plan out themselves (recovery/stages.py); the agent only writes
+records and watches. One order per generation (first writer wins), always into the generation
+after the agent's current one, which the order moves the agent's job context to: a failure
+during a recovery is ordered into the next generation and supersedes it. A rank that dies
+before it reports its holdings is added to the failed ones of the same recovery; a failure
+after the plan is published (a survivor or the spare dying mid-rebuild) is a new failure,
+recovered in the next generation.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..control import keys
-from ..control.membership import Membership, MembershipStore
-from ..control.store import KVStore
+from ..control.context import JobContext
+from ..control.membership import MembershipStore
+from ..control.messages import (
+    HoldingsReport,
+    Membership,
+    PlanDecision,
+    Recovered,
+    RecoveryOrder,
+    SpareAssignment,
+)
+from ..control.wait import wait_until
+from ..errors import DeadpoolError
 from ..events import (
     RECOVERY_DONE,
     RECOVERY_PHASE,
@@ -26,14 +39,7 @@ from ..events import (
     EventLog,
 )
 from ..topology import Topology
-from .plan import (
-    RankHoldings,
-    RecoveryPlan,
-    Unrecoverable,
-    decode_holdings,
-    encode_plan,
-    plan_recovery,
-)
+from .plan import RankHoldings, RecoveryPlan, Unrecoverable, plan_recovery
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -63,36 +69,41 @@ class Recovery:
     replayed: int = 0
 
 
+class OrderExists(DeadpoolError):
+    """Another writer already ordered a recovery into this generation."""
+
+
 class Coordinator:
     def __init__(
         self,
-        kv: KVStore,
-        job: str,
+        ctx: JobContext,
         topology: Topology,
         replicas: int,
         events: EventLog,
+        clock: Callable[[], float] = time.time,
     ):
-        self.kv = kv
-        self.job = job
+        self.ctx = ctx
+        self.job = ctx.job
         self.topology = topology
         self.replicas = replicas
         self.events = events
-        self.membership = MembershipStore(kv, job)
+        self._clock = clock
+        self.membership = MembershipStore(ctx.kv, ctx.job)
         self.pending: Recovery | None = None  # published, not yet finished
         self.done: list[dict] = []
 
-    def order(
-        self, generation: int, permanent: set[int], reason: str, failed_at: float
-    ) -> Recovery:
-        """Tell every process to stop and recover into `generation`."""
-        doc = {"reason": reason, "permanent": sorted(permanent)}
-        self.kv.set(keys.recovery_order(self.job, generation), json.dumps(doc).encode())
-        self.events.generation = generation
+    def order(self, permanent: set[int], reason: str, failed_at: float) -> Recovery:
+        """Tell every process to stop and recover into the next generation."""
+        generation = self.ctx.generation + 1
+        order = RecoveryOrder(reason, tuple(permanent))
+        if not self.ctx.create(keys.recovery_order(self.job, generation), order):
+            raise OrderExists(f"a recovery into generation {generation} was already ordered")
+        self.ctx.advance(generation)
         self.events.emit(
             RECOVERY_STARTED, generation=generation, failed=sorted(permanent), reason=reason,
             kind="permanent" if permanent else "transient",
         )  # fmt: skip
-        return Recovery(generation, failed_at, set(permanent), reason, time.time())
+        return Recovery(generation, failed_at, set(permanent), reason, self._clock())
 
     def gather(
         self,
@@ -100,19 +111,21 @@ class Coordinator:
         lost: Callable[[int], str | None],
         on_lost: Callable[[int, str], None],
         poll_s: float = POLL_S,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> dict[int, tuple[RankHoldings, int]]:
         """Wait for the holdings of every live rank. A rank still computing towards its next
         phase boundary is waited for as long as it progresses; one that `lost` says will
         never report (exited, stopped, no progress for its phase's limit) joins the failed
         ones. Returns {rank: (holdings, completed iteration)}."""
         got: dict[int, tuple[RankHoldings, int]] = {}
-        while True:
+
+        def poll() -> dict | None:
             for rank in range(self.topology.world_size):
                 if rank in rec.permanent or rank in got:
                     continue
-                raw = self.kv.get(keys.holdings(self.job, rec.generation, rank))
-                if raw is not None:
-                    got[rank] = decode_holdings(json.loads(raw))
+                report = self.ctx.get(keys.holdings(self.job, rec.generation, rank), HoldingsReport)
+                if report is not None:
+                    got[rank] = (report.holdings, report.completed)
                     continue
                 why = lost(rank)
                 if why is not None:
@@ -120,9 +133,10 @@ class Coordinator:
                                 rank, why)  # fmt: skip
                     rec.permanent.add(rank)
                     on_lost(rank, why)
-            if not set(range(self.topology.world_size)) - rec.permanent - set(got):
-                return got
-            time.sleep(poll_s)
+            waiting = set(range(self.topology.world_size)) - rec.permanent - set(got)
+            return None if waiting else got
+
+        return wait_until(poll, math.inf, "holdings", interval_s=poll_s, sleep=sleep)
 
     def decide(
         self,
@@ -147,19 +161,19 @@ class Coordinator:
                 current.generation,
             )
         except Unrecoverable as err:
-            doc = {"unrecoverable": str(err)}
-            self.kv.set(keys.recovery_plan(self.job, rec.generation), json.dumps(doc).encode())
+            decision = PlanDecision(unrecoverable=str(err))
+            self.ctx.put(keys.recovery_plan(self.job, rec.generation), decision)
             raise
         for rank, spare_id in sorted(plan.replaced.items()):
-            assignment = {"rank": rank, "generation": rec.generation}
-            self.kv.set(keys.assignment(self.job, spare_id), json.dumps(assignment).encode())
+            assignment = SpareAssignment(rank, rec.generation)
+            self.ctx.put(keys.assignment(self.job, spare_id), assignment)
             self.events.emit(SPARE_CLAIMED, spare=spare_id, replaces=rank)
         completed = max(c for _, c in held.values())
-        doc = {**encode_plan(plan), "failed_iteration": completed + 1}
-        self.kv.set(keys.recovery_plan(self.job, rec.generation), json.dumps(doc).encode())
+        decision = PlanDecision(plan, failed_iteration=completed + 1)
+        self.ctx.put(keys.recovery_plan(self.job, rec.generation), decision)
         rec.plan = plan
         rec.replayed = max(0, completed - plan.iteration)
-        rec.phases["plan"] = time.time() - rec.ordered_at
+        rec.phases["plan"] = self._clock() - rec.ordered_at
         log.info(
             "generation %d: roll back to iteration %d; %s; transfers: %s",
             rec.generation, plan.iteration,
@@ -176,24 +190,24 @@ class Coordinator:
             return None
         records = []
         for rank in range(self.topology.world_size):
-            raw = self.kv.get(keys.recovered(self.job, rec.generation, rank))
-            if raw is None:
+            record = self.ctx.get(keys.recovered(self.job, rec.generation, rank), Recovered)
+            if record is None:
                 return None
-            records.append(json.loads(raw))
+            records.append(record)
         self.pending = None
         for name in RANK_PHASES:
-            rec.phases[name] = max(r["phases"].get(name, 0.0) for r in records)
+            rec.phases[name] = max(r.phases.get(name, 0.0) for r in records)
         for name, seconds in rec.phases.items():
             self.events.emit(RECOVERY_PHASE, phase=name, duration_s=seconds)
-        finished = max(r["finished_at"] for r in records)
+        finished = max(r.finished_at for r in records)
         summary = {
             "total_s": finished - rec.failed_at,
             "replayed_iterations": rec.replayed,
-            "bytes_moved": sum(r["bytes_moved"] for r in records),
+            "bytes_moved": sum(r.bytes_moved for r in records),
             "iteration": rec.plan.iteration,
             "replaced": {str(k): v for k, v in rec.plan.replaced.items()},
         }
-        checked = [r.get("groups_checked") for r in records]
+        checked = [r.groups_checked for r in records]
         if all(c is not None for c in checked):  # --deadpool-verify-groups
             summary["groups_checked_min"] = min(checked)
         self.events.emit(RECOVERY_DONE, **summary)

@@ -13,45 +13,24 @@ spare left), the plan says exactly what was lost instead of resuming on wrong st
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
-from ..control.membership import Membership, MembershipError, replace
+from ..control.membership import replace
+from ..control.messages import (
+    Membership,
+    MembershipError,
+    RankHoldings,
+    RecoveryPlan,
+    Transfer,
+)
 from ..errors import DeadpoolError
 from ..topology import Topology
+
+__all__ = ["RankHoldings", "RecoveryPlan", "Transfer", "Unrecoverable", "check_plan",
+           "plan_recovery"]  # fmt: skip
 
 
 class Unrecoverable(DeadpoolError):
     """The state of some shard is lost: fall back to a persistent checkpoint, or stop."""
-
-
-@dataclass(frozen=True)
-class RankHoldings:
-    """What one live rank can serve: committed snapshot iterations, and replicas it holds."""
-
-    snapshots: frozenset[int]
-    replicas: Mapping[int, frozenset[int]] = field(default_factory=dict)  # owner -> iterations
-
-
-@dataclass(frozen=True)
-class Transfer:
-    kind: str  # "parameters" (a DP peer's snapshot) or "replica" (the owner's optimizer shard)
-    src: int
-    dst: int
-    owner: int  # the rank whose state this is (the failed rank)
-    iteration: int
-
-
-@dataclass(frozen=True)
-class RecoveryPlan:
-    membership: Membership  # the new generation
-    iteration: int  # every rank resumes from this committed iteration
-    replaced: Mapping[int, str]  # failed rank -> spare process id taking it over
-    local_restores: tuple[int, ...]  # ranks that roll back to their own snapshot
-    transfers: tuple[Transfer, ...]
-
-    @property
-    def generation(self) -> int:
-        return self.membership.generation
 
 
 def plan_recovery(
@@ -159,38 +138,3 @@ def check_plan(plan: RecoveryPlan, topology: Topology) -> None:
                 f"rank {rank} would be restored from {got or 'nothing'}; expected its own "
                 f"snapshot, or a peer's parameters plus its ring replica"
             )
-
-
-# -- wire format: the launcher publishes plans and ranks publish holdings through the store --
-def encode_holdings(h: RankHoldings, completed: int) -> dict:
-    """`completed`: the last iteration whose optimizer step this rank finished."""
-    return {
-        "snapshots": sorted(h.snapshots),
-        "replicas": {str(o): sorted(its) for o, its in h.replicas.items()},
-        "completed": completed,
-    }
-
-
-def decode_holdings(doc: dict) -> tuple[RankHoldings, int]:
-    replicas = {int(o): frozenset(its) for o, its in doc["replicas"].items()}
-    return RankHoldings(frozenset(doc["snapshots"]), replicas), int(doc["completed"])
-
-
-def encode_plan(plan: RecoveryPlan) -> dict:
-    return {
-        "membership": plan.membership.to_json().decode(),
-        "iteration": plan.iteration,
-        "replaced": {str(r): s for r, s in plan.replaced.items()},
-        "local_restores": list(plan.local_restores),
-        "transfers": [[t.kind, t.src, t.dst, t.owner, t.iteration] for t in plan.transfers],
-    }
-
-
-def decode_plan(doc: dict) -> RecoveryPlan:
-    return RecoveryPlan(
-        membership=Membership.from_json(doc["membership"].encode()),
-        iteration=int(doc["iteration"]),
-        replaced={int(r): s for r, s in doc["replaced"].items()},
-        local_restores=tuple(doc["local_restores"]),
-        transfers=tuple(Transfer(*t) for t in doc["transfers"]),
-    )

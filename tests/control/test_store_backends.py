@@ -87,31 +87,31 @@ def test_get_set_add_delete(connect, job):
     assert store.get(key) is None  # absent: answered at once, not waited for
     store.set(key, b"1")
     assert store.get(key) == b"1"
-    counter = keys.failure(job, 0) + "/count"
+    counter = keys.nodes_done(job)
     assert [store.add(counter, 1), store.add(counter, 5)] == [1, 6]
     assert store.delete(key) is True and store.delete(key) is False
     assert store.get(key) is None
 
 
 def test_compare_and_swap_semantics(connect, job):
-    store, key = connect(), keys.spare(job, 0)
+    store, key = connect(), keys.spare(job, "spare-0")
     assert store.compare_and_swap(key, None, b"a") == (True, b"a")
     assert store.compare_and_swap(key, None, b"b") == (False, b"a")  # must not exist: it does
     assert store.compare_and_swap(key, b"x", b"b") == (False, b"a")
     assert store.compare_and_swap(key, b"a", b"b") == (True, b"b")
     assert store.get(key) == b"b"
-    assert store.compare_and_swap(keys.spare(job, 1), b"a", b"c") == (False, None)
+    assert store.compare_and_swap(keys.spare(job, "spare-1"), b"a", b"c") == (False, None)
 
 
 def test_identical_racing_swaps_have_exactly_one_winner(connect, job):
-    key = keys.failure(job, 0)
+    key = keys.recovery_order(job, 1)  # one order per generation: first writer wins
     results = race(connect, lambda c, i: c.compare_and_swap(key, None, b"same bytes"))
     assert sorted(ok for ok, _ in results) == [False] * (RACERS - 1) + [True]
     assert all(value == b"same bytes" for _, value in results)
 
 
 def test_concurrent_adds_are_atomic(connect, job):
-    key = keys.failure(job, 0) + "/count"
+    key = keys.nodes_done(job)
     results = race(connect, lambda c, i: [c.add(key, 1) for _ in range(5)])
     assert sorted(n for r in results for n in r) == list(range(1, 5 * RACERS + 1))
 

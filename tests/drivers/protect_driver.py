@@ -34,10 +34,10 @@ from deadpool_megatron.checkpoint.restore import (
 from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron import parallel
 from deadpool_megatron.megatron.arguments import parse_job_args
-from deadpool_megatron.megatron.hooks import build_pipeline
 from deadpool_megatron.megatron.model import build_train_state
 from deadpool_megatron.megatron.training import Trainer
-from deadpool_megatron.megatron.worker import open_store
+from deadpool_megatron.process.protection import build_pipeline
+from deadpool_megatron.process.worker import open_store
 from deadpool_megatron.runtime import ProcessEnv
 from deadpool_megatron.topology import Topology
 

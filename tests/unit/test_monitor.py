@@ -2,11 +2,11 @@
 probes: evidence from exits, heartbeats, progress marks, the OS's process state and
 self-reports becomes one classified detection, or a suspicion that is never fenced."""
 
-import json
-
 import pytest
 
 from deadpool_megatron.control import keys
+from deadpool_megatron.control.context import JobContext
+from deadpool_megatron.control.messages import FailureReport, Heartbeat, Injection
 from deadpool_megatron.control.monitor import Monitor, ProcessProbe
 from deadpool_megatron.control.tcp_store import TcpKVStore
 from deadpool_megatron.failure.hang import HangPolicy
@@ -48,24 +48,24 @@ class Processes:
 POLICY = HangPolicy(heartbeat_timeout_s=2.0, floor_s=10.0, factor=5.0, slow_phase_s=30.0)
 
 
-def make(kv, codes, clock, procs=None, suspicions=None):
+def make(kv, codes, clock, procs=None, suspicions=None, ctx=None):
     procs = procs or Processes()
     return Monitor(
-        kv, JOB, [0, 1, 2], codes.get, 0.5, POLICY, watch_heartbeats=True, clock=clock,
+        ctx or JobContext(kv, JOB), [0, 1, 2], codes.get, 0.5, POLICY, watch_heartbeats=True, clock=clock,
         probe=procs.probe,
         on_suspect=lambda r, why: suspicions.append((r, why)) if suspicions is not None else None,
     )  # fmt: skip
 
 
-def beat(kv, rank, n):
-    kv.set(keys.heartbeat(JOB, 0, rank), json.dumps({"t": n, "iteration": n}).encode())
+def beat(kv, rank, n, generation=0):
+    kv.set(keys.heartbeat(JOB, generation, rank), Heartbeat(n, n, 100 + rank).encode())
 
 
 def report_peer_loss(kv, ranks):
     msg = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer"
     for rank in ranks:
-        record = {"kind": "collective_error", "message": msg, "at": 1000.0}
-        kv.set(keys.report(JOB, 0, rank), json.dumps(record).encode())
+        record = FailureReport("collective_error", msg, 1000.0)
+        kv.set(keys.report(JOB, 0, rank), record.encode())
 
 
 def advance(monitor, clock, seconds):
@@ -77,7 +77,7 @@ def test_a_killed_process_is_permanent_and_latency_comes_from_the_injection(kv):
     clock, codes = Clock(), {}
     monitor = make(kv, codes, clock)
     assert monitor.poll() is None
-    kv.set(keys.injected(JOB, 0, 1), json.dumps({"fault": "kill@1:3", "at": 999.9}).encode())
+    kv.set(keys.injected(JOB, 1), Injection("kill@1:3", 999.9, 0).encode())
     codes[1] = -9
     d = advance(monitor, clock, 0.2)
     assert (d.classification.rank, d.classification.kind.value) == (1, "permanent")
@@ -167,10 +167,7 @@ def test_a_rank_that_finished_is_never_accused(kv):
 def test_a_self_reported_injected_error_is_transient(kv):
     clock, codes = Clock(), {}
     monitor = make(kv, codes, clock)
-    kv.set(
-        keys.report(JOB, 0, 0),
-        json.dumps({"kind": "injected_transient", "message": "x", "at": 1000.0}).encode(),
-    )
+    kv.set(keys.report(JOB, 0, 0), FailureReport("injected_transient", "x", 1000.0).encode())
     d = advance(monitor, clock, 0.2)
     assert (d.classification.rank, d.classification.kind.value) == (0, "transient")
 
@@ -223,3 +220,24 @@ def test_during_a_recovery_a_computing_rank_is_waited_for_and_a_stuck_one_is_los
     assert monitor.lost(0) is None
     clock.t += 2.0  # rank 1 has shown nothing for 20 s: past the 10 s limit
     assert "no progress for" in monitor.lost(1)
+
+
+def test_the_generation_is_read_from_the_context_and_an_injection_is_timed_once(kv):
+    clock, codes, procs = Clock(), {}, Processes()
+    ctx = JobContext(kv, JOB)
+    monitor = make(kv, codes, clock, procs, ctx=ctx)
+    kv.set(keys.injected(JOB, 1), Injection("kill@1:3", 999.9, 0).encode())
+    codes[1] = -9
+    assert advance(monitor, clock, 0.1).latency_s == pytest.approx(0.2)
+    codes.pop(1)
+    ctx.advance(1)  # the agent moved on: generation 1's keys from now on
+    report = FailureReport("injected_transient", "x", 1001.0)
+    kv.set(keys.report(JOB, 0, 2), report.encode())  # generation 0's: not looked at any more
+    assert advance(monitor, clock, 0.2) is None
+    kv.set(keys.report(JOB, 1, 2), report.encode())
+    d = advance(monitor, clock, 0.2)
+    assert d.classification.rank == 2 and d.latency_s is None  # no injection into rank 2
+    ctx.advance(2)  # rank 2 reset in place; then a natural failure of rank 1:
+    codes[1] = -9  # its old injection is not reused
+    d = advance(monitor, clock, 0.2)
+    assert d.classification.rank == 1 and d.latency_s is None

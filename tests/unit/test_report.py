@@ -14,7 +14,7 @@ from deadpool_megatron.report import (
 
 def test_two_writers_append_whole_lines(tmp_path):
     path = str(tmp_path / "events.jsonl")
-    launcher, worker = EventLog(path), EventLog(path, rank=3, generation=1)
+    launcher, worker = EventLog(path), EventLog(path, rank=3, generation=lambda: 1)
     launcher.emit(FENCED, at=10.5, rank=3, pid=42)
     worker.emit("fault_injected", at=10.0, fault="hang@3:5")
     launcher.close()

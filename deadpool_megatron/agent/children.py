@@ -1,0 +1,160 @@
+"""The agent's child processes: starting them with the launcher <-> process contract
+(runtime.py), prefixing every line they print, reading their progress boards, and stopping
+them (their whole process groups: a dead child's helpers live on in its group)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..control.monitor import ProcessProbe
+from ..failure.procstate import process_state
+from ..failure.progress import ProgressBoard, create_board_file
+from ..runtime import (
+    ENV_FAULT_SCOPE,
+    ENV_JOB_ID,
+    ENV_PROGRESS_FILE,
+    ENV_ROLE,
+    ENV_SPARE_INDEX,
+    ROLE_WORKER,
+)
+
+log = logging.getLogger("deadpool.launch")
+
+TERMINATE_GRACE_S = 5.0
+
+
+@dataclass
+class Child:
+    role: str
+    index: int  # global rank for a worker, spare index for a spare
+    proc: subprocess.Popen
+    board: ProgressBoard  # its progress marks, read from shared memory
+    pump: threading.Thread | None = None
+    reported: bool = field(default=False)  # its exit was reported (spares)
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.index}"
+
+    @property
+    def name(self) -> str:
+        return f"worker rank {self.index}" if self.role == ROLE_WORKER else self.label
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def probe(self) -> ProcessProbe:
+        return ProcessProbe(self.proc.pid, self.board.read(), process_state(self.proc.pid))
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every child of this agent is started with."""
+
+    script: str
+    script_args: tuple[str, ...]
+    master_addr: str
+    world_size: int
+    local_world_size: int
+
+
+class Children:
+    def __init__(self, launch: Launch):
+        self.launch = launch
+        self.all: list[Child] = []
+        self._print_lock = threading.Lock()
+        # Progress boards live in memory where the node has /dev/shm.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.board_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
+        self._spawned = 0
+
+    def spawn(
+        self, role: str, index: int, local_rank: int, env: dict[str, str], extra_args=()
+    ) -> Child:
+        """Start one child; `env` holds the job's variables (port, job id, fault scope)."""
+        self._spawned += 1
+        board = os.path.join(self.board_dir, f"{self._spawned}-{role}-{index}")
+        create_board_file(board)
+        full = dict(os.environ)
+        full.update(
+            MASTER_ADDR=self.launch.master_addr,
+            WORLD_SIZE=str(self.launch.world_size),
+            LOCAL_WORLD_SIZE=str(self.launch.local_world_size),
+            PYTHONUNBUFFERED="1",
+        )
+        # Several processes share this node's cores: one intra-op thread each, as torchrun does.
+        full.setdefault("OMP_NUM_THREADS", "1")
+        full.update(env)
+        full[ENV_ROLE] = role
+        full[ENV_PROGRESS_FILE] = board
+        if role == ROLE_WORKER:
+            full.update(RANK=str(index), LOCAL_RANK=str(local_rank))
+            full.pop(ENV_SPARE_INDEX, None)
+        else:
+            full[ENV_SPARE_INDEX] = str(index)
+            full.pop("RANK", None)
+        proc = subprocess.Popen(
+            [sys.executable, "-u", self.launch.script, *self.launch.script_args, *extra_args],
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        child = Child(role, index, proc, ProgressBoard(board, writable=False))
+        log.info("started %s (pid %d)", child.name, proc.pid)
+        child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        child.pump.start()
+        self.all.append(child)
+        return child
+
+    def _pump(self, child: Child) -> None:
+        prefix = f"[{child.label}] ".encode()
+        for line in iter(child.proc.stdout.readline, b""):
+            with self._print_lock:
+                sys.stdout.buffer.write(prefix + line)
+                sys.stdout.buffer.flush()
+
+    def terminate(self, signum: int) -> None:
+        """Signal every child's process group, wait, then SIGKILL whatever is left."""
+        alive = [c for c in self.all if c.alive()]
+        for c in self.all:
+            c.kill(signum)
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for c in alive:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for c in self.all:
+            c.kill(signal.SIGKILL)
+            c.proc.wait()
+        self.join_pumps()
+
+    def join_pumps(self) -> None:
+        for c in self.all:
+            if c.pump is not None:
+                c.pump.join(timeout=2)
+
+    def forget_all(self) -> None:
+        """After a checkpoint-restart stopped every child: the next start begins anew."""
+        self.all.clear()
+
+    def close(self) -> None:
+        shutil.rmtree(self.board_dir, ignore_errors=True)
+
+
+def job_env(job_id: str, port: int, fault_scope: str) -> dict[str, str]:
+    return {"MASTER_PORT": str(port), ENV_JOB_ID: job_id, ENV_FAULT_SCOPE: fault_scope}

@@ -1,0 +1,35 @@
+"""What the agent does about a classified failure: a pure table, tested alone."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..failure.classify import Classification, Decision
+from ..failure.evidence import ProcessExited
+
+
+class Action(enum.Enum):
+    END = "end"  # log it and end the job (no protection, or the job is not up yet)
+    RESTART = "restart"  # checkpoint-restart: stop everything, start again from --save
+    HOTSWAP = "hotswap"  # recover in place: a spare takes the rank, or it resets itself
+
+
+@dataclass(frozen=True)
+class Response:
+    action: Action
+    fence: bool  # kill the failed process first: it is alive but hung or unfit
+    replace: bool  # a spare takes its rank (permanent); False: it resets in place
+
+
+def respond(c: Classification, restart_policy: str, protected: bool, up: bool) -> Response:
+    """`restart_policy`: deadpool-launch's (hotswap or full); `protected`: the job runs with
+    --deadpool; `up`: generation 0's membership is recorded (every rank registered)."""
+    alive = not isinstance(c.evidence, ProcessExited)
+    if restart_policy == "full":
+        return Response(Action.RESTART, fence=False, replace=False)  # every process stops
+    if not protected or not up:
+        # A hung process is fenced so that the log says so; the end stops everyone anyway.
+        return Response(Action.END, fence=alive and c.kind is Decision.PERMANENT, replace=False)
+    permanent = c.kind is Decision.PERMANENT
+    return Response(Action.HOTSWAP, fence=permanent and alive, replace=permanent)

@@ -1,0 +1,108 @@
+"""A worker's watch over itself, besides the in-memory checkpoint: heartbeats (after warm-up),
+device health checks, fault injection, the failures it reports, and the hooks it hands the
+training loop (stop at a phase boundary when a recovery was ordered; inject a fault)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..config import JobConfig
+from ..control import keys
+from ..control.client import ControlClient
+from ..control.context import JobContext
+from ..control.messages import COLLECTIVE_ERROR, HEALTH_CHECK, INJECTED_TRANSIENT
+from ..events import FAULT_INJECTED, EventLog
+from ..failure.health import HealthCheck, HealthChecker
+from ..failure.inject import parse_faults
+from ..failure.injector import FaultInjector, InjectedFault
+from ..failure.progress import ProgressBoard
+from ..recovery.stages import RecoveryOrdered
+from ..runtime import ProcessEnv
+
+log = logging.getLogger("deadpool.worker")
+
+
+class Guard:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: ProcessEnv,
+        ctx: JobContext,
+        client: ControlClient,
+        progress: ProgressBoard,
+    ):
+        self.cfg = cfg
+        self.rank = env.rank
+        self.ctx = ctx
+        self.client = client
+        self.progress = progress
+        self.events = EventLog(cfg.deadpool.deadpool_event_log, env.rank, lambda: ctx.generation)
+        self.injector = FaultInjector(
+            parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank, self._injected,
+            client.claim_fault, slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
+        )  # fmt: skip
+        self.health: HealthChecker | None = None  # started after warm-up, with the heartbeats
+
+    # -- the training loop's hooks --------------------------------------------------------------
+    def check_stop(self) -> None:
+        """Raise RecoveryOrdered when a recovery was ordered (at every phase boundary)."""
+        if self.ctx.stopping:
+            raise RecoveryOrdered(f"recovery into generation {self.ctx.ordered} ordered")
+
+    def inject(self, iteration: int, phase: str) -> None:
+        self.injector.fire(iteration, phase)
+
+    def before_send(self, iteration: int) -> None:
+        """The replication thread is about to send `iteration` (fault phase "replicate")."""
+        self.injector.fire(iteration, "replicate")
+
+    def after_warmup(self, on_gpu: bool) -> None:
+        """Heartbeats and health checks, from the end of the first iteration on (imports and
+        the first model build starve threads of the GIL for seconds). Idempotent."""
+        dpc = self.cfg.deadpool
+        if not dpc.deadpool:
+            return
+        self.client.start_heartbeats(
+            dpc.deadpool_heartbeat_interval,
+            key=lambda: keys.heartbeat(self.ctx.job, self.ctx.generation, self.rank),
+            iteration=lambda: self.progress.read().iteration,
+        )
+        if self.health is None and dpc.deadpool_health_check_interval:
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu"
+            check = HealthCheck(torch.device(device))
+            self.injector.on_unhealthy = check.break_device
+            self.health = HealthChecker(check, dpc.deadpool_health_check_interval, self._unfit)
+            self.health.start()
+
+    # -- reports -------------------------------------------------------------------------------
+    def report(self, err: BaseException) -> None:
+        """A failure this process caught (training or replication thread), for the agent."""
+        if self.ctx.stopping:
+            return  # a recovery is under way: this error is its doing, not new evidence
+        kind = INJECTED_TRANSIENT if isinstance(err, InjectedFault) else COLLECTIVE_ERROR
+        self.client.report_failure(self.rank, kind, f"{type(err).__name__}: {err}")
+
+    def _unfit(self, reason: str) -> None:
+        log.error("health check failed: %s; reported to the agent", reason)
+        self.client.report_failure(self.rank, HEALTH_CHECK, reason)
+
+    def _injected(self, fault, at: float) -> None:
+        self.client.report_injection(self.rank, str(fault), at)
+        self.events.emit(FAULT_INJECTED, at=at, fault=str(fault))
+
+    def failed(self, err: Exception) -> int:
+        """Without --deadpool there is nothing to recover from: report what this process saw,
+        stay alive and healthy, and let the agent end the job."""
+        self.report(err)
+        log.error("training failed: %s: %s; reported to the agent", type(err).__name__, err)
+        time.sleep(self.cfg.deadpool.deadpool_heartbeat_timeout + 30.0)
+        return 1
+
+    def close(self) -> None:
+        if self.health is not None:
+            self.health.stop()
+        self.client.close()
+        self.events.close()

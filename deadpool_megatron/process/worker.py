@@ -1,0 +1,188 @@
+"""One worker process from start to finish: store, process groups, model, (resume), train,
+and, when a failure interrupts training, the hand-off to the recovery and back."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import psutil
+import torch.distributed as dist
+
+from ..checkpoint.pipeline import ProtectionPipeline
+from ..config import JobConfig
+from ..control import keys
+from ..control.client import ControlClient, connect, control_ports
+from ..control.context import JobContext
+from ..events import CHECKPOINT_LOADED
+from ..failure.hang import HangPolicy
+from ..failure.progress import ProgressBoard
+from ..megatron import checkpointing, parallel
+from ..megatron.model import TrainState, build_train_state
+from ..megatron.training import LoopHooks, Trainer
+from ..recovery.abort import CommunicatorAbort
+from ..recovery.stages import ProcessRecovery, RecoveryFailed
+from ..runtime import ProcessEnv
+from .guard import Guard
+from .protection import build_pipeline
+from .watcher import OrderWatcher
+
+log = logging.getLogger("deadpool.worker")
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """A claimed spare becoming a worker: its job context and client, the generation it joins."""
+
+    ctx: JobContext
+    client: ControlClient
+    generation: int
+
+
+def open_store(env: ProcessEnv) -> dist.Store:
+    """The launcher's TCPStore; a private in-memory store for a single plain process."""
+    if env.master_port is None:
+        if env.world_size != 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={env.world_size} but MASTER_PORT is unset; start the job with "
+                "deadpool-launch (or set MASTER_ADDR/MASTER_PORT)"
+            )
+        return dist.HashStore()
+    return parallel.connect_store(env.master_addr, env.master_port, env.world_size)
+
+
+def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None) -> int:
+    """Train as `env.rank`; with `takeover`, as a claimed spare taking a failed rank over."""
+    start = time.perf_counter()
+    progress = ProgressBoard(env.progress_file)  # private memory without a launcher
+    progress.mark(0, "start")
+    store = open_store(env)
+    guard = recovery = watcher = None
+    dpc = cfg.deadpool
+    if takeover is not None or ((dpc.deadpool or dpc.deadpool_inject) and env.under_launcher):
+        if takeover is not None:
+            ctx, client = takeover.ctx, takeover.client
+        else:
+            ctx = connect(env, dpc)
+            client = ControlClient(ctx, env.fault_scope)
+            client.register_worker(env.rank)
+        guard = Guard(cfg, env, ctx, client, progress)
+        recovery = ProcessRecovery(
+            cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
+            protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
+        )  # fmt: skip
+        if dpc.deadpool:
+            watcher = OrderWatcher(
+                ctx, recovery.abort.abort, progress, HangPolicy.from_config(dpc),
+                recovering=lambda: recovery.active,
+            )  # fmt: skip
+            watcher.start()
+    make_trainer = partial(_trainer, cfg, env, progress, _loop_hooks(guard, recovery))
+    if takeover is not None:
+        trainer = recovery.take_over(takeover.generation, make_trainer)
+    else:
+        trainer = _start(cfg, env, store, make_trainer, guard)
+    log.info(
+        "ready to train %.1f s after process start (set-up %.1f s), from iteration %d",
+        time.time() - psutil.Process().create_time(), time.perf_counter() - start,
+        trainer.iteration,
+    )  # fmt: skip
+    while True:
+        try:
+            trainer.train()
+            break
+        except Exception as err:
+            if guard is None:
+                raise
+            if not dpc.deadpool:
+                return guard.failed(err)
+            try:
+                recovery.recover(trainer, err)
+            except RecoveryFailed as lost:
+                log.error("cannot recover: %s", lost)
+                guard.close()
+                return 1
+    progress.mark(trainer.iteration, "finish")
+    _finish(cfg, trainer)
+    if watcher is not None:
+        watcher.stop()
+    if guard is not None:
+        guard.close()
+    log.debug("worker done")
+    return 0
+
+
+def _trainer(
+    cfg: JobConfig,
+    env: ProcessEnv,
+    progress: ProgressBoard,
+    hooks: LoopHooks,
+    state: TrainState,
+    on_gpu: bool,
+    iteration: int = 0,
+    pipeline: ProtectionPipeline | None = None,
+) -> Trainer:
+    return Trainer(cfg, state, env.world_size, on_gpu, progress, hooks, iteration, pipeline)
+
+
+def _protect(
+    cfg: JobConfig,
+    env: ProcessEnv,
+    guard: Guard | None,
+    state: TrainState,
+    on_gpu: bool,
+    generation: int,
+) -> ProtectionPipeline:
+    """A generation's protection pipeline; replication faults and errors go to the guard
+    (none for a single process without a launcher)."""
+    if guard is None:
+        return build_pipeline(cfg, state, env, on_gpu, generation)
+    return build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send, guard.report)
+
+
+def _loop_hooks(guard: Guard | None, recovery: ProcessRecovery | None) -> LoopHooks:
+    if guard is None:
+        return LoopHooks()
+
+    def after_iteration(trainer: Trainer) -> None:
+        guard.after_warmup(trainer.on_gpu)  # warm-up is over after the first iteration
+        recovery.after_iteration(trainer)
+
+    return LoopHooks(guard.check_stop, guard.inject, after_iteration)
+
+
+def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, guard: Guard | None) -> Trainer:
+    """Generation 0: process groups, model and optimizer, a checkpoint to resume from, and
+    the protection pipeline with --deadpool."""
+    prefix = keys.process_group_prefix(env.job_id, 0)
+    on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store, prefix=prefix)
+    tp, pp, dp = parallel.coordinates()
+    log.info(
+        "rank %d/%d up: tp=%d pp=%d dp=%d, backend %s",
+        env.rank, env.world_size, tp, pp, dp, "nccl" if on_gpu else "gloo (CPU)",
+    )  # fmt: skip
+    state = build_train_state(cfg, on_gpu)
+    iteration = 0
+    if cfg.checkpoint.load:
+        t = time.perf_counter()
+        iteration = checkpointing.load(cfg, state)
+        if guard is not None and env.rank == 0:
+            guard.events.emit(CHECKPOINT_LOADED, iteration=iteration,
+                              load_s=time.perf_counter() - t)  # fmt: skip
+    pipeline = _protect(cfg, env, guard, state, on_gpu, 0) if cfg.deadpool.deadpool else None
+    return make_trainer(state, on_gpu, iteration, pipeline)
+
+
+def _finish(cfg: JobConfig, trainer: Trainer) -> None:
+    trainer.finalize_saves()
+    c = cfg.checkpoint
+    if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
+        checkpointing.save(cfg, trainer.state, trainer.iteration)
+    if trainer.pipeline is not None:
+        trainer.pipeline.close()
+        log.info("protection: %s", trainer.protection_summary())
+    trainer.finish()
+    checkpointing.release_writer_processes()
+    parallel.destroy_distributed()

@@ -1,0 +1,462 @@
+"""One process's part in a hot-swap, as stages read top to bottom.
+
+Every worker runs them when its iteration fails (a collective raised, an injected fault, or
+the agent's order to stop, obeyed at a phase boundary); a claimed spare runs them from
+"await plan" on. The agent decides (recovery/coordinator.py); each process carries out:
+
+1. stop: cut its communicators (recovery/abort.py), so every peer's pending collective fails
+   too, and stop the protection pipeline, keeping its committed snapshots and replicas;
+2. await order / report holdings: publish what it holds for the ordered generation;
+3. await plan: the agent's plan for that generation, or why nothing can be recovered;
+4. rebuild: tear down every group, meet everyone of the generation on the store, build
+   torch.distributed and megatron-core's groups on the generation's store prefix, then the
+   model and optimizer (nothing built before stays reachable from training);
+5. restore: roll back to its own snapshot of the plan's iteration, or, for a spare, receive
+   the parameters from one DP peer and the optimizer shard from one ring successor;
+6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
+   shard exactly once;
+7. resume: a new protection pipeline, the trainer attached at the plan's iteration, and the
+   job context advanced to the generation.
+
+Each stage has its own timeout (`StageTimeouts`, from the config) and failure path: a newer
+order at any wait (`Superseded`) starts again from 2 in the newer generation; an error in
+4-7 is a failed attempt (a newer order follows: the agent sees the cause); a timeout, an
+unrecoverable plan or a failed verification is `RecoveryFailed`, which ends the process.
+Restore and verify are collectives of the new generation's groups, bounded by their timeout
+(--distributed-timeout-minutes). A generation whose store prefix an attempt used is never
+tried again. The buffers from before the failure are kept until the new generation has
+protected its own state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ..checkpoint.buffers import Slot, SlotPair
+from ..checkpoint.pipeline import ProtectionPipeline
+from ..checkpoint.restore import (
+    recv_part,
+    restore_from_parts,
+    restore_from_snapshot,
+    send_parameters,
+    send_replica,
+)
+from ..config import JobConfig
+from ..control import keys
+from ..control.context import JobContext
+from ..control.messages import Flag, HoldingsReport, PlanDecision, Recovered
+from ..control.store import StoreTimeout
+from ..control.wait import wait_until
+from ..errors import DeadpoolError
+from ..failure.hang import HangPolicy
+from ..failure.progress import ProgressBoard
+from ..megatron import parallel
+from ..megatron.checkpointing import materialize_optimizer_state
+from ..megatron.groups import live_groups, stale_groups
+from ..megatron.model import TrainState, build_train_state
+from ..megatron.shard import RankState
+from ..megatron.training import Trainer
+from ..runtime import ProcessEnv
+from ..topology import Topology
+from .abort import CommunicatorAbort
+from .plan import RankHoldings, RecoveryPlan, check_plan
+
+log = logging.getLogger("deadpool.recovery")
+
+
+class RecoveryOrdered(DeadpoolError):
+    """The agent ordered a recovery into a newer generation: stop this iteration."""
+
+
+class RecoveryFailed(DeadpoolError):
+    """This process cannot take part in any recovery (unrecoverable, timed out, inconsistent)."""
+
+
+class Superseded(DeadpoolError):
+    """A newer generation was ordered while this one was being recovered into."""
+
+
+@dataclass(frozen=True)
+class StageTimeouts:
+    """Seconds each waiting stage may take before the process gives up."""
+
+    stop_s: float  # the protection threads must stop
+    order_s: float  # the agent may first wait for slow ranks to stop
+    plan_s: float  # the agent waits for every rank's holdings, slow ones included
+    rendezvous_s: float  # everyone of the generation must arrive
+
+    @classmethod
+    def from_config(cls, dpc) -> StageTimeouts:
+        slow = HangPolicy.from_config(dpc).slow_phase_s
+        return cls(max(10.0, dpc.deadpool_heartbeat_timeout), slow, slow, slow)
+
+
+@dataclass
+class Held:
+    """Committed snapshots and replicas kept from before a failure, newest source first."""
+
+    snapshots: list[SlotPair] = field(default_factory=list)
+    replicas: dict[int, list[SlotPair]] = field(default_factory=dict)
+
+    def keep(self, pipeline: ProtectionPipeline) -> None:
+        if pipeline.snapshotter.slots.committed() is None:
+            return
+        self.snapshots.insert(0, pipeline.snapshotter.slots)
+        for owner, pair in pipeline.replicator.replicas.items():
+            self.replicas.setdefault(owner, []).insert(0, pair)
+
+    def holdings(self) -> RankHoldings:
+        return RankHoldings(
+            frozenset(i for p in self.snapshots for i in p.iterations()),
+            {
+                o: frozenset(i for p in ps for i in p.iterations())
+                for o, ps in self.replicas.items()
+            },
+        )
+
+    def snapshot(self, iteration: int) -> tuple[SlotPair, Slot]:
+        for pair in self.snapshots:
+            slot = pair.find(iteration)
+            if slot is not None:
+                return pair, slot
+        raise DeadpoolError(f"no committed snapshot of iteration {iteration} is held here")
+
+    def replica(self, owner: int, iteration: int) -> SlotPair:
+        for pair in self.replicas.get(owner, []):
+            if pair.find(iteration) is not None:
+                return pair
+        raise DeadpoolError(f"no replica of rank {owner}'s shard at iteration {iteration} here")
+
+
+@dataclass
+class Rebuilt:
+    """What the rebuild stage produced, carried through restore, verify and resume."""
+
+    trainer: Trainer
+    state: TrainState
+    on_gpu: bool
+    phases: dict[str, float]
+    old_groups: list  # held while verifying: their ids stay unique
+
+
+MakeTrainer = Callable[[TrainState, bool], Trainer]
+Protect = Callable[[TrainState, bool, int], ProtectionPipeline]
+
+
+class ProcessRecovery:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: ProcessEnv,
+        ctx: JobContext,
+        store: dist.Store,
+        progress: ProgressBoard,
+        abort: CommunicatorAbort,
+        protect: Protect,
+        report: Callable[[BaseException], None] | None = None,
+        inject: Callable[[int, str], None] | None = None,
+        timeouts: StageTimeouts | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        self.cfg = cfg
+        self.env = env
+        self.ctx = ctx
+        self.store = store  # the torch store the generations' process groups meet on
+        self.progress = progress
+        self.abort = abort
+        self.protect = protect  # builds a generation's protection pipeline (collective)
+        self.report = report  # evidence of this process's own failure, for the agent
+        self.inject = inject  # fault injection at the "recovery" phase
+        self.timeouts = timeouts or StageTimeouts.from_config(cfg.deadpool)
+        self._clock = clock
+        self._sleep = sleep
+        self.topology = Topology(
+            env.world_size,
+            cfg.parallel.tensor_model_parallel_size,
+            cfg.parallel.pipeline_model_parallel_size,
+        )
+        self.held = Held()
+        self.active = False  # between a failure and the resumed iteration
+        self.completed = 0  # the newest iteration this process finished before the failure
+        self.bytes_moved = 0
+        self._failed_iteration = 0
+        self._spent = 0  # the newest generation whose store prefix an attempt used
+        self._account: dict | None = None  # phases of a recovery awaiting its first iteration
+
+    # -- entry points ------------------------------------------------------------------------
+    def recover(self, trainer: Trainer, err: BaseException) -> None:
+        """A worker: take part in recoveries until one succeeds; raises RecoveryFailed."""
+        self._begin(trainer.iteration)
+        if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
+            self.report(err)  # the agent classifies it
+        log.warning("iteration %d stopped: %s: %s", trainer.iteration + 1, type(err).__name__, err)
+        self.stop(trainer)
+        while True:
+            generation = self.await_order()
+            self.report_holdings(generation)
+            try:
+                plan = self.await_plan(generation)
+                self._run(plan, self.rebuild(plan, trainer))
+                return
+            except Superseded as why:
+                log.info("%s; recovering into the newer generation", why)
+            except RecoveryFailed:
+                raise
+            except Exception as e:  # a failure during the recovery: a newer order follows
+                self._failed_attempt(generation, e, trainer)
+
+    def take_over(self, generation: int, make_trainer: MakeTrainer) -> Trainer:
+        """A claimed spare joins the recovery into `generation`; returns its trainer. Any
+        failure ends it (it holds nothing yet; the agent seats the next spare)."""
+        if generation - 1 > self.ctx.generation:
+            self.ctx.advance(generation - 1)  # the generation the job is leaving
+        self.ctx.see_order(generation)
+        self._begin(0)
+        try:
+            plan = self.await_plan(generation)
+            if self.env.rank not in plan.replaced:
+                raise RecoveryFailed(
+                    f"the plan of generation {generation} does not replace rank "
+                    f"{self.env.rank}: {sorted(plan.replaced)}"
+                )
+            rebuilt = self.rebuild(plan, None, make_trainer)
+            self._run(plan, rebuilt)
+            return rebuilt.trainer
+        except RecoveryFailed:
+            raise
+        except Exception as e:
+            raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {e}") from e
+
+    def _begin(self, iteration: int) -> None:
+        self.progress.mark(iteration, "recovery")
+        self.active = True
+
+    def _run(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
+        restored = self.restore(rebuilt, plan)
+        self.verify(plan, restored, rebuilt)
+        self.resume(plan, rebuilt)
+
+    # -- 1. stop -----------------------------------------------------------------------------
+    def stop(self, trainer: Trainer) -> None:
+        """Break this process's (and so its peers') pending collectives; keep the buffers."""
+        self.abort.abort()
+        self.completed = max(self.completed, trainer.iteration)
+        self._keep(trainer.detach())
+
+    def _keep(self, pipeline: ProtectionPipeline | None) -> None:
+        if pipeline is not None:
+            pipeline.abort(self.timeouts.stop_s)
+            self.held.keep(pipeline)
+
+    # -- 2. order, holdings -------------------------------------------------------------------
+    def await_order(self) -> int:
+        def poll() -> int | None:
+            ordered = self.ctx.ordered
+            return ordered if ordered > max(self.ctx.generation, self._spent) else None
+
+        try:
+            return wait_until(poll, self.timeouts.order_s, "a recovery order from the agent",
+                              clock=self._clock, sleep=self._sleep)  # fmt: skip
+        except StoreTimeout as err:
+            raise RecoveryFailed(str(err)) from err
+
+    def report_holdings(self, generation: int) -> None:
+        h = self.held.holdings()
+        key = keys.holdings(self.ctx.job, generation, self.env.rank)
+        self.ctx.put(key, HoldingsReport(h, self.completed))
+        log.info(
+            "generation %d: holding snapshots %s and replicas %s",
+            generation, sorted(h.snapshots), {o: sorted(i) for o, i in h.replicas.items()},
+        )  # fmt: skip
+
+    # -- 3. plan -----------------------------------------------------------------------------
+    def await_plan(self, generation: int) -> RecoveryPlan:
+        try:
+            decision = self.ctx.wait_for(
+                keys.recovery_plan(self.ctx.job, generation), PlanDecision,
+                self.timeouts.plan_s, f"the plan of generation {generation}",
+                interrupt=lambda: self._superseded(generation, "waiting for its plan"),
+                clock=self._clock, sleep=self._sleep,
+            )  # fmt: skip
+        except StoreTimeout as err:
+            raise RecoveryFailed(str(err)) from err
+        if decision.plan is None:
+            raise RecoveryFailed(decision.unrecoverable or "unrecoverable")
+        self._failed_iteration = decision.failed_iteration
+        return decision.plan
+
+    def _superseded(self, generation: int, where: str) -> None:
+        ordered = self.ctx.ordered
+        if ordered > generation:
+            raise Superseded(f"generation {ordered} was ordered while {where} of {generation}")
+
+    # -- 4. rebuild --------------------------------------------------------------------------
+    def rebuild(
+        self, plan: RecoveryPlan, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
+    ) -> Rebuilt:
+        generation = plan.generation
+        self._spent = generation  # from here on, this generation's store prefix is used
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+        old_groups = live_groups() if self.cfg.deadpool.deadpool_verify_groups else []
+        parallel.destroy_distributed()
+        self.rendezvous(generation)
+        self.abort.rearm()
+        on_gpu = parallel.init_distributed(
+            self.cfg, self.env.rank, self.env.world_size, self.store,
+            prefix=self.ctx.store_prefix(generation),
+        )  # fmt: skip
+        phases["rebuild_communicators"] = time.perf_counter() - t
+        t = time.perf_counter()
+        state = build_train_state(self.cfg, on_gpu)
+        materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
+        if trainer is None:
+            trainer = make_trainer(state, on_gpu)
+        phases["rebuild_model"] = time.perf_counter() - t
+        if self.inject is not None:  # kill@R:I:recovery: recovering from a failure in I
+            self.inject(self._failed_iteration, "recovery")
+        return Rebuilt(trainer, state, on_gpu, phases, old_groups)
+
+    def rendezvous(self, generation: int) -> None:
+        """Everyone of the generation is here: only then build groups (a gloo rendezvous
+        waiting for a dead process cannot be interrupted; this wait can)."""
+        job = self.ctx.job
+        self.ctx.put(keys.arrived(job, generation, self.env.rank), Flag(str(self.env.rank)))
+        waiting = set(range(self.env.world_size))
+
+        def poll() -> bool | None:
+            self._superseded(generation, "meeting for the rendezvous")
+            waiting.difference_update(
+                {r for r in waiting if self.ctx.get(keys.arrived(job, generation, r), Flag)}
+            )
+            return True if not waiting else None
+
+        try:
+            wait_until(poll, self.timeouts.rendezvous_s, f"the rendezvous of generation "
+                       f"{generation}", clock=self._clock, sleep=self._sleep)  # fmt: skip
+        except StoreTimeout as err:
+            raise RecoveryFailed(f"ranks {sorted(waiting)} never joined: {err}") from err
+
+    # -- 5. restore --------------------------------------------------------------------------
+    def restore(self, rebuilt: Rebuilt, plan: RecoveryPlan) -> int:
+        t = time.perf_counter()
+        state = rebuilt.state
+        rank_state = RankState(state.model, state.optimizer, state.scheduler)
+        me = self.env.rank
+        layout = rank_state.layout
+        parts: dict[str, tuple] = {}
+        for tr in plan.transfers:  # in the plan's order on every rank: no send/recv cycle
+            if tr.src == me and tr.kind == "parameters":
+                pair, _ = self.held.snapshot(tr.iteration)
+                send_parameters(pair, layout.optimizer_nbytes, tr.dst, iteration=tr.iteration)
+            elif tr.src == me:
+                pair = self.held.replica(tr.owner, tr.iteration)
+                send_replica({tr.owner: pair}, tr.owner, tr.dst, iteration=tr.iteration)
+            elif tr.dst == me:
+                nbytes = (
+                    layout.params_nbytes if tr.kind == "parameters" else layout.optimizer_nbytes
+                )
+                data, meta, iteration = recv_part(nbytes, tr.src)
+                if iteration != plan.iteration:
+                    raise DeadpoolError(
+                        f"rank {tr.src} sent {tr.kind} of iteration {iteration}, the plan needs "
+                        f"{plan.iteration}"
+                    )
+                parts[tr.kind] = (data, meta)
+                self.bytes_moved += nbytes  # counted once, by the receiver
+        if me in plan.local_restores:
+            _, slot = self.held.snapshot(plan.iteration)
+            restored = restore_from_snapshot(rank_state, slot)
+        else:
+            (optimizer_part, meta), (params_part, _) = parts["replica"], parts["parameters"]
+            restored = restore_from_parts(rank_state, optimizer_part, meta, params_part)
+        rebuilt.phases["transfer_state"] = time.perf_counter() - t
+        return restored
+
+    # -- 6. verify ---------------------------------------------------------------------------
+    def verify(self, plan: RecoveryPlan, restored: int, rebuilt: Rebuilt) -> None:
+        """Every rank checks the same facts about everyone before anyone resumes."""
+        t = time.perf_counter()
+        check_plan(plan, self.topology)
+        view = hashlib.sha1(plan.membership.encode()).hexdigest()
+        mine = (plan.generation, restored, view, parallel.coordinates())
+        everyone: list = [None] * self.env.world_size
+        dist.all_gather_object(everyone, mine)
+        problems = []
+        for rank, (generation, iteration, membership, coords) in enumerate(everyone):
+            if generation != plan.generation or membership != view:
+                problems.append(f"rank {rank} is in generation {generation} / view {membership}")
+            if iteration != plan.iteration:
+                problems.append(f"rank {rank} restored iteration {iteration}")
+            expected = self.topology.coords(rank)
+            if tuple(coords) != (expected.tp, expected.pp, expected.dp):
+                problems.append(f"rank {rank} holds coordinates {coords}")
+        if problems:
+            raise RecoveryFailed(
+                f"generation {plan.generation} does not hold at iteration {plan.iteration}: "
+                + "; ".join(problems)
+            )
+        rebuilt.phases["verify"] = time.perf_counter() - t
+
+    # -- 7. resume ---------------------------------------------------------------------------
+    def resume(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
+        t = time.perf_counter()
+        pipeline = self.protect(rebuilt.state, rebuilt.on_gpu, plan.generation)
+        pipeline.after_step(plan.iteration)  # the new generation protects itself
+        rebuilt.phases["rebuild_pipeline"] = time.perf_counter() - t
+        rebuilt.trainer.attach(rebuilt.state, plan.iteration, pipeline)
+        checked = None
+        if self.cfg.deadpool.deadpool_verify_groups:
+            reachable, stale = stale_groups(rebuilt.old_groups, rebuilt.trainer, self)
+            if stale:
+                raise RecoveryFailed(
+                    f"{len(stale)} reference(s) to process groups from before the recovery "
+                    f"remain: {stale[:5]}"
+                )
+            checked = reachable
+            log.info("verified: %d process groups reachable, none from before", reachable)
+        rebuilt.old_groups.clear()
+        self.ctx.advance(plan.generation)
+        self.active = False
+        phases = rebuilt.phases
+        self._account = {"phases": phases, "restored_at": time.time(), "groups": checked}
+        log.info(
+            "generation %d: rolled back to iteration %d (%s), resuming",
+            plan.generation, plan.iteration,
+            ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()),
+        )  # fmt: skip
+
+    def _failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
+        log.warning("recovery into generation %d failed: %s: %s", generation,
+                    type(err).__name__, err)  # fmt: skip
+        self.abort.abort()
+        self._keep(trainer.detach())
+        self._spent = max(self._spent, generation)  # its store prefix is spent: never retry
+
+    # -- after the first resumed iteration -----------------------------------------------------
+    def after_iteration(self, trainer: Trainer) -> None:
+        """Account for the first resumed iteration; drop buffers from before the failure
+        once the new generation holds its own snapshot and every predecessor's replica."""
+        if self._account is not None:
+            now = time.time()
+            phases = dict(self._account["phases"])
+            phases["first_iteration"] = now - self._account["restored_at"]
+            record = Recovered(phases, now, trainer.iteration, self.bytes_moved,
+                               self._account["groups"])  # fmt: skip
+            self.ctx.put(keys.recovered(self.ctx.job, self.ctx.generation, self.env.rank), record)
+            self._account = None
+            self.bytes_moved = 0
+        p = trainer.pipeline
+        if self.held.snapshots and p is not None:
+            protected = p.committed_iteration() >= 0 and all(
+                p.replicator.committed_iteration(src) >= 0 for src in p.replicator.predecessors
+            )
+            if protected:
+                self.held = Held()

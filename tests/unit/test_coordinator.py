@@ -1,0 +1,162 @@
+"""The agent's half of a recovery on a real in-process TCPStore, no worker processes: one order
+per generation, a newer recovery planned from the last, spare claims by compare-and-swap, the
+unrecoverable path, waiting for holdings, and the account of a finished recovery."""
+
+import pytest
+
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.context import JobContext
+from deadpool_megatron.control.membership import MembershipStore
+from deadpool_megatron.control.messages import (
+    Claim,
+    HoldingsReport,
+    Member,
+    Membership,
+    PlanDecision,
+    RankHoldings,
+    Recovered,
+    RecoveryOrder,
+    SpareAssignment,
+)
+from deadpool_megatron.control.tcp_store import TcpKVStore
+from deadpool_megatron.events import EventLog, read_events
+from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists
+from deadpool_megatron.recovery.plan import Unrecoverable
+from deadpool_megatron.topology import Topology
+
+JOB = "coord-test"
+TOPO = Topology(4, 1, 2)  # PP2 x DP2: DP rings [0, 1] and [2, 3]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 5000.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def kv():
+    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
+    members = tuple(Member(r, f"host:{100 + r}", (0, r // 2, r % 2)) for r in range(4))
+    MembershipStore(store, JOB).create(Membership(0, members, ("spare-0", "spare-1")))
+    yield store
+    store.close()
+
+
+def make(kv, tmp_path=None, clock=None):
+    ctx = JobContext(kv, JOB)
+    events = EventLog(
+        str(tmp_path / "ev.jsonl") if tmp_path else None, generation=lambda: ctx.generation
+    )
+    return Coordinator(ctx, TOPO, 1, events, clock=clock or Clock()), ctx
+
+
+def holdings(kv, generation, ranks, iterations=(4, 5)):
+    for r in ranks:
+        peer = r ^ 1  # its DP-ring predecessor's replica
+        h = RankHoldings(frozenset(iterations), {peer: frozenset(iterations)})
+        kv.set(keys.holdings(JOB, generation, r), HoldingsReport(h, 5).encode())
+
+
+def test_one_order_per_generation_and_the_agent_moves_to_it(kv):
+    coord, ctx = make(kv)
+    rec = coord.order({3}, "rank 3 exited", failed_at=1.0)
+    assert rec.generation == 1 and ctx.generation == 1
+    order = RecoveryOrder.decode(kv.get(keys.recovery_order(JOB, 1)))
+    assert order == RecoveryOrder("rank 3 exited", (3,))
+    other, _ = make(kv)  # a second writer that still stands in generation 0
+    with pytest.raises(OrderExists, match="generation 1 was already ordered"):
+        other.order({2}, "rank 2 exited", failed_at=2.0)
+
+
+def test_a_newer_recovery_is_planned_from_the_last_one(kv, tmp_path):
+    coord, ctx = make(kv, tmp_path)
+    rec = coord.order({3}, "rank 3 exited", 1.0)
+    holdings(kv, 1, [0, 1, 2])
+    held = coord.gather(rec, lost=lambda r: None, on_lost=None, sleep=lambda s: None)
+    plan = coord.decide(rec, held, ["spare-0", "spare-1"])
+    assert plan.generation == 1 and plan.replaced == {3: "spare-0"} and plan.iteration == 5
+    assert SpareAssignment.decode(kv.get(keys.assignment(JOB, "spare-0"))) == SpareAssignment(3, 1)
+    decision = PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1)))
+    assert decision.plan == plan and decision.failed_iteration == 6
+    # The spare dies while it recovers: the next recovery goes into generation 2.
+    rec2 = coord.order({3}, "spare-0 exited", 2.0)
+    assert rec2.generation == 2
+    holdings(kv, 2, [0, 1, 2])
+    plan2 = coord.decide(rec2, coord.gather(rec2, lambda r: None, None), ["spare-1"])
+    assert plan2.replaced == {3: "spare-1"}
+    current = MembershipStore(kv, JOB).current()
+    assert current.generation == 2 and current.member(3).process_id == "spare-1"
+    assert current.spares == ()
+    started = [
+        e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "recovery_started"
+    ]
+    assert [e["generation"] for e in started] == [1, 2]
+
+
+def test_a_spare_claimed_by_someone_else_is_not_seated(kv):
+    coord, _ = make(kv)
+    kv.set(keys.spare_claim(JOB, "spare-0"), Claim("another agent", 0).encode())
+    rec = coord.order({3}, "rank 3 exited", 1.0)
+    holdings(kv, 1, [0, 1, 2])
+    with pytest.raises(Unrecoverable, match="spare spare-0 was claimed by someone else"):
+        coord.decide(rec, coord.gather(rec, lambda r: None, None), ["spare-0", "spare-1"])
+    decision = PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1)))
+    assert decision.plan is None and "claimed by someone else" in decision.unrecoverable
+    assert MembershipStore(kv, JOB).current().generation == 0  # nothing committed
+
+
+def test_unrecoverable_is_published_so_that_every_process_stops(kv):
+    coord, _ = make(kv)
+    rec = coord.order({3}, "rank 3 exited", 1.0)
+    holdings(kv, 1, [0, 1, 2])
+    with pytest.raises(Unrecoverable, match="no spare left to replace failed rank 3"):
+        coord.decide(rec, coord.gather(rec, lambda r: None, None), [])
+    decision = PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1)))
+    assert "no spare left" in decision.unrecoverable
+
+
+def test_gather_waits_for_a_slow_rank_and_adds_a_lost_one_to_the_failed(kv):
+    coord, _ = make(kv)
+    rec = coord.order({3}, "rank 3 exited", 1.0)
+    holdings(kv, 1, [0])
+    polls = []
+
+    def sleep(_):
+        polls.append(1)
+        if len(polls) == 5:  # rank 1 was still computing; it reports after 5 polls
+            holdings(kv, 1, [1])
+
+    lost_calls = []
+    held = coord.gather(
+        rec,
+        lost=lambda r: "it exited" if r == 2 else None,
+        on_lost=lambda r, why: lost_calls.append((r, why)),
+        sleep=sleep,
+    )
+    assert sorted(held) == [0, 1] and rec.permanent == {2, 3}
+    assert lost_calls == [(2, "it exited")] and len(polls) == 5
+
+
+def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteration(kv, tmp_path):
+    clock = Clock()
+    coord, _ = make(kv, tmp_path, clock)
+    rec = coord.order({3}, "rank 3 exited", failed_at=clock.t - 0.5)
+    holdings(kv, 1, [0, 1, 2])
+    coord.decide(rec, coord.gather(rec, lambda r: None, None), ["spare-0"])
+    assert coord.poll_done() is None
+    for r in range(4):
+        assert coord.poll_done() is None
+        phases = {"rebuild_communicators": 0.1 * (r + 1), "first_iteration": 0.2}
+        record = Recovered(phases, clock.t + 1.0 + r, 5, 1000 if r == 3 else 0)
+        kv.set(keys.recovered(JOB, 1, r), record.encode())
+    summary = coord.poll_done()
+    assert summary["total_s"] == pytest.approx(0.5 + 1.0 + 3)
+    assert summary["bytes_moved"] == 1000 and summary["replaced"] == {"3": "spare-0"}
+    assert coord.pending is None and coord.poll_done() is None
+    events = read_events(str(tmp_path / "ev.jsonl"))
+    phases = {e["phase"]: e["duration_s"] for e in events if e["event"] == "recovery_phase"}
+    assert phases["rebuild_communicators"] == pytest.approx(0.4)  # the slowest rank's
+    assert [e["generation"] for e in events if e["event"] == "recovery_done"] == [1]

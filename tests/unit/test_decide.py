@@ -1,0 +1,40 @@
+"""What the agent does about each kind of classified failure, as a table."""
+
+import pytest
+
+from deadpool_megatron.agent.decide import Action, Response, respond
+from deadpool_megatron.failure.classify import Classification, Decision
+from deadpool_megatron.failure.evidence import (
+    HealthCheckFailed,
+    HeartbeatStale,
+    InjectedTransient,
+    ProcessExited,
+)
+
+EXITED = Classification(1, Decision.PERMANENT, "exited", ProcessExited(1, -9, 0.0))
+HUNG = Classification(1, Decision.PERMANENT, "hung", HeartbeatStale(1, 0.0, 3.0, "stopped"))
+UNFIT = Classification(1, Decision.PERMANENT, "unfit", HealthCheckFailed(1, "nan", 0.0))
+TRANSIENT = Classification(1, Decision.TRANSIENT, "raised", InjectedTransient(1, 0.0))
+
+
+@pytest.mark.parametrize(
+    "c, policy, protected, up, expected",
+    [
+        # checkpoint-restart stops every process, whatever failed
+        (EXITED, "full", True, True, Response(Action.RESTART, False, False)),
+        (HUNG, "full", False, False, Response(Action.RESTART, False, False)),
+        # no protection, or not up yet: the job ends; a live hung process is fenced first
+        (EXITED, "hotswap", False, True, Response(Action.END, False, False)),
+        (HUNG, "hotswap", False, True, Response(Action.END, True, False)),
+        (HUNG, "hotswap", True, False, Response(Action.END, True, False)),
+        (TRANSIENT, "hotswap", False, True, Response(Action.END, False, False)),
+        # protected: hot-swap; an exited rank is replaced, a live permanent one fenced first
+        (EXITED, "hotswap", True, True, Response(Action.HOTSWAP, False, True)),
+        (HUNG, "hotswap", True, True, Response(Action.HOTSWAP, True, True)),
+        (UNFIT, "hotswap", True, True, Response(Action.HOTSWAP, True, True)),
+        # a transient failure resets in place: no fence, no spare
+        (TRANSIENT, "hotswap", True, True, Response(Action.HOTSWAP, False, False)),
+    ],
+)
+def test_response_to_each_classification(c, policy, protected, up, expected):
+    assert respond(c, policy, protected, up) == expected

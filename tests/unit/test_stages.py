@@ -1,0 +1,192 @@
+"""A process's recovery stages that wait on the store, each with its timeout and failure path,
+on a real in-process TCPStore with a fake clock (no worker processes, no process groups); and
+the attempt loop: a failed attempt never reuses its generation, the next order is joined."""
+
+import pytest
+
+from deadpool_megatron.config import JobConfig
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.context import JobContext
+from deadpool_megatron.control.messages import (
+    Flag,
+    HoldingsReport,
+    Member,
+    Membership,
+    PlanDecision,
+    RankHoldings,
+    RecoveryPlan,
+)
+from deadpool_megatron.control.tcp_store import TcpKVStore
+from deadpool_megatron.failure.progress import ProgressBoard
+from deadpool_megatron.recovery.stages import (
+    ProcessRecovery,
+    RecoveryFailed,
+    RecoveryOrdered,
+    StageTimeouts,
+    Superseded,
+)
+from deadpool_megatron.runtime import ProcessEnv
+
+JOB = "stages-test"
+TIMEOUTS = StageTimeouts(stop_s=1.0, order_s=5.0, plan_s=5.0, rendezvous_s=5.0)
+
+
+class FakeTime:
+    """clock and sleep: a sleep advances the clock and runs the scheduled store writes."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.at: list[tuple[float, object]] = []
+
+    def clock(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+        for when, action in [a for a in self.at if a[0] <= self.t]:
+            self.at.remove((when, action))
+            action()
+
+
+class FakeAbort:
+    def __init__(self):
+        self.aborts = 0
+
+    def abort(self):
+        self.aborts += 1
+
+    def rearm(self):
+        pass
+
+
+class FakeTrainer:
+    iteration = 7
+
+    def detach(self):
+        return None
+
+
+@pytest.fixture
+def kv():
+    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
+    yield store
+    store.close()
+
+
+def make(kv, time_, rank=1, cls=ProcessRecovery):
+    cfg = JobConfig()
+    cfg.parallel.pipeline_model_parallel_size = 2
+    env = ProcessEnv("worker", rank, 4, rank, 4, "127.0.0.1", None, None, JOB, False, True)
+    ctx = JobContext(kv, JOB)
+    recovery = cls(cfg, env, ctx, None, ProgressBoard(), FakeAbort(), protect=None,
+                   timeouts=TIMEOUTS, clock=time_.clock, sleep=time_.sleep)  # fmt: skip
+    return recovery, ctx
+
+
+def plan(generation):
+    members = tuple(Member(r, f"h:{r}", (0, r // 2, r % 2)) for r in range(4))
+    return RecoveryPlan(Membership(generation, members), 5, {}, (0, 1, 2, 3), ())
+
+
+def test_await_order_returns_the_ordered_generation_or_times_out(kv):
+    time_ = FakeTime()
+    recovery, ctx = make(kv, time_)
+    time_.at.append((1.0, lambda: ctx.see_order(1)))  # the watcher sees the order
+    assert recovery.await_order() == 1 and time_.t >= 1.0
+    recovery._spent = 1  # an attempt used generation 1: only a newer order will do
+    with pytest.raises(RecoveryFailed, match="a recovery order from the agent: not within 5 s"):
+        recovery.await_order()
+
+
+def test_holdings_are_reported_for_the_generation(kv):
+    recovery, _ = make(kv, FakeTime())
+    recovery.completed = 7
+    recovery.report_holdings(3)
+    report = HoldingsReport.decode(kv.get(keys.holdings(JOB, 3, 1)))
+    assert report == HoldingsReport(RankHoldings(frozenset(), {}), 7)
+
+
+def test_await_plan_returns_it_stops_on_unrecoverable_and_yields_to_a_newer_order(kv):
+    time_ = FakeTime()
+    recovery, ctx = make(kv, time_)
+    ctx.see_order(1)
+    put = lambda: kv.set(keys.recovery_plan(JOB, 1), PlanDecision(plan(1), 6).encode())  # noqa: E731
+    time_.at.append((0.5, put))
+    assert recovery.await_plan(1) == plan(1) and recovery._failed_iteration == 6
+    kv.set(
+        keys.recovery_plan(JOB, 2), PlanDecision(unrecoverable="rank 3's shard is lost").encode()
+    )
+    ctx.see_order(2)
+    with pytest.raises(RecoveryFailed, match="rank 3's shard is lost"):
+        recovery.await_plan(2)
+    time_.at.append((time_.t + 1.0, lambda: ctx.see_order(4)))
+    with pytest.raises(
+        Superseded, match="generation 4 was ordered while waiting for its plan of 3"
+    ):
+        recovery.await_plan(3)
+    with pytest.raises(RecoveryFailed, match="the plan of generation 4: not within 5 s"):
+        recovery.await_plan(4)
+
+
+def test_rendezvous_waits_for_everyone_names_who_is_missing_and_yields_to_a_newer_order(kv):
+    time_ = FakeTime()
+    recovery, ctx = make(kv, time_)
+    ctx.see_order(1)
+    for r in (0, 2):
+        kv.set(keys.arrived(JOB, 1, r), Flag(str(r)).encode())
+    time_.at.append((2.0, lambda: kv.set(keys.arrived(JOB, 1, 3), Flag("3").encode())))
+    recovery.rendezvous(1)
+    assert time_.t >= 2.0
+    ctx.see_order(2)
+    kv.set(keys.arrived(JOB, 2, 0), Flag("0").encode())
+    with pytest.raises(RecoveryFailed, match=r"ranks \[2, 3\] never joined"):
+        recovery.rendezvous(2)
+    time_.at.append((time_.t + 0.5, lambda: ctx.see_order(3)))
+    with pytest.raises(Superseded, match="generation 3 was ordered while meeting"):
+        recovery.rendezvous(2)
+
+
+class Scripted(ProcessRecovery):
+    """Rebuild scripted per generation: raise, or succeed (then resume advances the context)."""
+
+    outcomes: dict = {}
+
+    def rebuild(self, plan, trainer, make_trainer=None):
+        self._spent = plan.generation
+        outcome = self.outcomes[plan.generation]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def _run(self, plan, rebuilt):
+        self.ctx.advance(plan.generation)
+        self.active = False
+
+
+def test_a_failed_attempt_waits_for_a_newer_order_and_never_reuses_its_generation(kv):
+    time_ = FakeTime()
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    Scripted.outcomes = {1: RuntimeError("connection closed by peer"), 2: object()}
+    for g in (1, 2):
+        kv.set(keys.recovery_plan(JOB, g), PlanDecision(plan(g), 8).encode())
+    ctx.see_order(1)
+    time_.at.append((3.0, lambda: ctx.see_order(2)))  # the agent saw the cause: a new order
+    recovery.recover(FakeTrainer(), RecoveryOrdered("recovery into generation 1 ordered"))
+    assert ctx.generation == 2 and not recovery.active
+    assert recovery.abort.aborts == 2  # at the stop, and after the failed attempt
+    for g in (1, 2):  # holdings reported for both generations
+        assert kv.get(keys.holdings(JOB, g, 1)) is not None
+    assert recovery.progress.read().phase == "recovery"
+
+
+def test_a_process_that_failed_by_itself_reports_it_before_stopping(kv):
+    time_ = FakeTime()
+    reported = []
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    recovery.report = reported.append
+    Scripted.outcomes = {1: object()}
+    kv.set(keys.recovery_plan(JOB, 1), PlanDecision(plan(1), 8).encode())
+    time_.at.append((0.1, lambda: ctx.see_order(1)))
+    err = RuntimeError("injected")
+    recovery.recover(FakeTrainer(), err)
+    assert reported == [err] and ctx.generation == 1
