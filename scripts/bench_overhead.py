@@ -77,7 +77,7 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
     from deadpool_megatron.megatron import parallel
     from deadpool_megatron.megatron.arguments import parse_job_args
     from deadpool_megatron.megatron.model import build_train_state
-    from deadpool_megatron.megatron.training import Trainer
+    from deadpool_megatron.megatron.training import LoopHooks, Trainer
     from deadpool_megatron.process.protection import build_pipeline
     from deadpool_megatron.process.worker import open_store
     from deadpool_megatron.runtime import ProcessEnv
@@ -87,8 +87,7 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
     setup_logging()
     on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, open_store(env))
     state = build_train_state(cfg, on_gpu)
-    trainer = Trainer(cfg, state, env.world_size, on_gpu)
-    pipeline = trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
+    pipeline = build_pipeline(cfg, state, env, on_gpu)
     pipeline.enabled = protection_on(1, a.warmup, a.window)
     samples: list[tuple[int, bool, float, float]] = []
     last = [time.perf_counter(), time.process_time()]
@@ -105,7 +104,9 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
         pipeline.enabled = nxt
         last[0], last[1] = time.perf_counter(), time.process_time()
 
-    trainer.train(on_iteration=on_iteration)
+    hooks = LoopHooks(after_iteration=on_iteration)
+    trainer = Trainer(cfg, state, env.world_size, on_gpu, hooks=hooks, pipeline=pipeline)
+    trainer.train()
     pipeline.close()
     mine = {
         "rank": env.rank,

@@ -1,5 +1,6 @@
-"""Shared test set-up: the tests folder on sys.path (for `jobs`), and a real etcd server
-(Debian's etcd-server, installed with apt-get when missing) for the tests that need one."""
+"""Shared test set-up: the tests folder on sys.path (for `jobs`), an in-process TCPStore, and a
+real etcd server (Debian's etcd-server, installed with apt-get when missing) for the tests that
+need one."""
 
 import subprocess
 import sys
@@ -15,6 +16,15 @@ from etcd_server import etcd_binary, free_port  # noqa: E402
 
 from deadpool_megatron.control.etcd_store import EtcdKVStore  # noqa: E402
 from deadpool_megatron.control.store import StoreUnreachable  # noqa: E402
+from deadpool_megatron.control.tcp_store import TcpKVStore  # noqa: E402
+
+
+@pytest.fixture
+def kv() -> Iterator[TcpKVStore]:
+    """A real TCPStore hosted in the test process: the in-process store of unit tests."""
+    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
+    yield store
+    store.close()
 
 
 @pytest.fixture(scope="session")

@@ -153,7 +153,7 @@ class Agent:
                               "ending the job", pending.generation, RECOVERY_TIMEOUT_S)  # fmt: skip
                     return self._end("recovery timed out")
             self._watch_spares(spares, spare_kills, monitor.iteration)
-            chaos.step(monitor.iteration)
+            chaos.step(monitor.iteration, running=coordinator.pending is None)
             if not up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
                 up = self._write_membership(spares)

@@ -2,8 +2,9 @@
 
 The schedule is the pure, seeded `ChaosSchedule`; this file carries it out on this node's
 processes (SIGKILL for a crash, SIGSTOP for a hang). Its clock runs only while the job trains:
-it starts at the first iteration, and time the agent spent elsewhere (a recovery) is not
-counted, so faults arrive at the rate asked for and never in a burst of overdue ones. Each
+it starts at the first iteration and stops while a recovery is under way (and while the agent
+is busy elsewhere), so faults go into a running job at the rate asked for and never come in a
+burst of overdue ones. Each
 injection is recorded like an injected fault (with the generation it happened in), so its
 detection is timed.
 """
@@ -53,9 +54,13 @@ class Chaos:
         self._last: float | None = None
         self.injected: list[tuple[float, str]] = []
 
-    def step(self, iteration: int) -> None:
-        """Inject the event that is due, if any; the clock starts once training does."""
-        if self._schedule is None or iteration < 1:
+    def step(self, iteration: int, running: bool = True) -> None:
+        """Inject the event that is due, if any. `iteration`: the newest the job reported (the
+        clock starts at the first); `running`: False while a recovery is under way."""
+        if self._schedule is None:
+            return
+        if iteration < 1 or not running:
+            self._last = None  # the clock stands still
             return
         now = self._clock()
         if self._last is not None and now - self._last <= PAUSE_S:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import JobConfig, add_config_flags, build_job_config, load_config_file, validate
+from ..config import JobConfig, validate
+from ..flags import add_config_flags, build_job_config, load_config_file
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:

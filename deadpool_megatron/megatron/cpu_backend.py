@@ -1,13 +1,30 @@
 """Let unmodified megatron-core train on CPU with gloo, for development and CI.
 
-megatron-core assumes CUDA in a few dozen places (see FIELD-NOTES): `torch.cuda.current_device()`
-used as a device, literal `device='cuda'`, CUDA RNG state in the model-parallel RNG tracker,
-streams/events/synchronize, and `Tensor.type()` strings such as 'torch.cuda.FloatTensor'.
-Rather than patching each call site, every loaded `megatron.core` module gets its own view of
-`torch` in which `torch.cuda` maps onto the CPU (devices, RNG, no-op streams) and tensor factories
-map a CUDA device onto the CPU. The real `torch` module is never modified, so nothing outside
-megatron-core changes, and the backend is only activated without a GPU (or with `--cpu`): a
-GPU run never goes through this file.
+Active only after `activate()`, which runs without a usable GPU or with `--cpu` (a GPU run
+never comes here). What it changes, exactly:
+
+1. Per-module views. In every loaded `megatron.core.*` module whose global `torch` is the real
+   module, that global becomes a view of `torch` (the real module is never modified) in which
+   - `torch.cuda` stands in for a CPU: `current_device()` is the CPU, `device_count()` 1,
+     `synchronize`/`empty_cache` do nothing, `Stream`/`Event`/`current_stream`/
+     `default_stream`/`stream`/`device` are no-op objects, `nvtx` no-ops, `get_rng_state`/
+     `set_rng_state`/`manual_seed(_all)` use the CPU generator, memory statistics are 0;
+   - the tensor factories in `_FACTORIES` put a CUDA device's tensors on the CPU and drop
+     `pin_memory`;
+   - `torch.distributed` is `gloo_ops.distributed_view()`: collectives and pipeline sends a
+     recovery can interrupt.
+2. In `megatron.core.tensor_parallel.random`, `_get_cuda_rng_state`/`_set_cuda_rng_state` read
+   and write the CPU RNG state.
+3. Two methods of `torch.Tensor`, globally, because megatron-core calls them on tensor objects,
+   which no module view reaches: `Tensor.type()` without arguments answers 'torch.cuda.*'
+   names for CPU tensors (the dtype checks in optimizer/distrib_optimizer.py,
+   optimizer/optimizer.py, optimizer/clip_grads.py), and `Tensor.cuda()` returns the tensor
+   itself (optimizer/optimizer.py, language_module.py, tensor_parallel/data.py, utils.py);
+   both only when the calling frame belongs to a `megatron.*` module: every other caller
+   gets torch's own methods.
+
+Modules megatron-core imports lazily (`_MODULES_TO_LOAD`) are imported first so they get the
+view too; `patch_loaded_modules()` runs again after the model-parallel initialisation.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron import parallel
 from deadpool_megatron.megatron.arguments import parse_job_args
 from deadpool_megatron.megatron.model import build_train_state
-from deadpool_megatron.megatron.training import Trainer
+from deadpool_megatron.megatron.training import LoopHooks, Trainer
 from deadpool_megatron.process.protection import build_pipeline
 from deadpool_megatron.process.worker import open_store
 from deadpool_megatron.runtime import ProcessEnv
@@ -139,9 +139,8 @@ class Checks:
             optimizer_part, meta, it_opt = recv_part(layout.optimizer_nbytes, successor)
             params_part, _, it_params = recv_part(layout.params_nbytes, peer)
             assert it_opt == it_params == trainer.iteration, (it_opt, it_params)
-            trainer.iteration = restore_from_parts(
-                pipeline.state, optimizer_part, meta, params_part
-            )
+            restored = restore_from_parts(pipeline.state, optimizer_part, meta, params_part)
+            trainer.attach(trainer.state, restored, pipeline)
             self.restored_here.append(
                 ["replica", trainer.iteration, victim, time.perf_counter() - start]
             )
@@ -157,9 +156,8 @@ class Checks:
             pipeline.snapshotter.wait_committed()
             wipe(trainer)
             start = time.perf_counter()
-            trainer.iteration = restore_from_snapshot(
-                pipeline.state, pipeline.snapshotter.slots.committed()
-            )
+            restored = restore_from_snapshot(pipeline.state, pipeline.snapshotter.slots.committed())
+            trainer.attach(trainer.state, restored, pipeline)
             self.restored_here.append(
                 ["local", trainer.iteration, victim, time.perf_counter() - start]
             )
@@ -207,13 +205,15 @@ def main() -> int:
     store = open_store(env)
     on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store)
     state = build_train_state(cfg, on_gpu)
-    trainer = Trainer(cfg, state, env.world_size, on_gpu)
-    trainer.pipeline = build_pipeline(cfg, state, env, on_gpu)
     p = cfg.parallel
     checks = Checks(
         args, Topology(env.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     )
-    trainer.train(on_iteration=checks)
+    trainer = Trainer(
+        cfg, state, env.world_size, on_gpu, hooks=LoopHooks(after_iteration=checks),
+        pipeline=build_pipeline(cfg, state, env, on_gpu),
+    )  # fmt: skip
+    trainer.train()
     trainer.pipeline.close()
     trainer.finish()
     if env.rank == 0:

@@ -187,3 +187,27 @@ def test_healthy_job_with_saves_on_a_machine_with_every_core_busy_is_never_accus
     events = read_events(str(log))
     assert [e for e in events if e["event"] in ("failure_detected", "fenced")] == []
     assert result.losses == baseline.losses and result.digest == baseline.digest
+
+
+def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_path, baseline):
+    # Seed 1440 at a 6 s mean: kill rank 1 at 1.6 s of training, kill rank 0 at 5.4 s, hang
+    # rank 0 at 9.7 s, then nothing before 35.8 s. Each fault goes into a running job (never
+    # into a recovery), each is detected and timed in the generation it happened in.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--train-iters", "40", "--deadpool-chaos-mtbf", "6",
+            "--deadpool-chaos-seed", "1440", "--deadpool-event-log", str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, spares=4)
+    assert result.returncode == 0, result.output[-3000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    events = read_events(str(log))
+    assert all(isinstance(e["generation"], int) for e in events), events
+    injected = [e for e in events if e["event"] == "fault_injected"]
+    detected = [e for e in events if e["event"] == "failure_detected"]
+    assert [e["fault"] for e in injected][:3] == ["chaos-kill@1", "chaos-kill@0", "chaos-hang@0"]
+    assert len(detected) == len(injected)
+    for inj, det in zip(injected, detected, strict=True):
+        assert (det["rank"], det["generation"]) == (inj["rank"], inj["generation"])
+        assert det["detect_latency_s"] is not None and det["detect_latency_s"] <= 3.0, det
+    started = [e["generation"] for e in events if e["event"] == "recovery_started"]
+    assert started == list(range(1, len(injected) + 1))
+    assert len([e for e in events if e["event"] == "recovery_done"]) == len(injected)

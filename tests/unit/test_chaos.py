@@ -4,24 +4,14 @@ recorded with the generation it happened in."""
 
 import signal
 
-import pytest
-
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.chaos import Chaos
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.messages import Injection
-from deadpool_megatron.control.tcp_store import TcpKVStore
 from deadpool_megatron.events import EventLog, read_events
 from deadpool_megatron.failure.inject import ChaosSchedule
 
 JOB = "chaos-test"
-
-
-@pytest.fixture
-def kv():
-    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
-    yield store
-    store.close()
 
 
 class Rig:
@@ -72,6 +62,17 @@ def test_a_pause_of_the_agent_does_not_fire_overdue_faults_in_a_burst(kv, tmp_pa
     rig.run(0.5)
     times = [at for at, _, _ in rig.kills[before:]]
     assert all(b - a >= 0.02 for a, b in zip(times, times[1:], strict=False))
+
+
+def test_no_fault_goes_into_a_job_that_is_recovering(kv, tmp_path):
+    rig = Rig(kv, tmp_path, mtbf=0.5)
+    rig.chaos.step(1)
+    rig.run(2.0)
+    before, elapsed = len(rig.kills), rig.chaos._elapsed
+    for _ in range(200):  # 0.8 s steps: a recovery under way, every look says so
+        rig.t += 0.8
+        rig.chaos.step(9, running=False)
+    assert len(rig.kills) == before and rig.chaos._elapsed == elapsed
 
 
 def test_each_injection_is_recorded_with_the_generation_it_happened_in(kv, tmp_path):

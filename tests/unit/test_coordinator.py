@@ -18,7 +18,6 @@ from deadpool_megatron.control.messages import (
     RecoveryOrder,
     SpareAssignment,
 )
-from deadpool_megatron.control.tcp_store import TcpKVStore
 from deadpool_megatron.events import EventLog, read_events
 from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists
 from deadpool_megatron.recovery.plan import Unrecoverable
@@ -36,13 +35,10 @@ class Clock:
         return self.t
 
 
-@pytest.fixture
-def kv():
-    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
+@pytest.fixture(autouse=True)
+def generation0(kv):
     members = tuple(Member(r, f"host:{100 + r}", (0, r // 2, r % 2)) for r in range(4))
-    MembershipStore(store, JOB).create(Membership(0, members, ("spare-0", "spare-1")))
-    yield store
-    store.close()
+    MembershipStore(kv, JOB).create(Membership(0, members, ("spare-0", "spare-1")))
 
 
 def make(kv, tmp_path=None, clock=None):

@@ -17,7 +17,7 @@ LAYERS = [
     {"runtime", "topology", "endpoints", "logging_setup", "metrics", "events"},
     {"failure"},
     {"config"},
-    {"control", "checkpoint", "sim", "report"},
+    {"flags", "control", "checkpoint", "sim", "report"},
     {"megatron"},
     {"recovery"},
     {"process", "agent"},

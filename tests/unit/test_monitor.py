@@ -8,7 +8,6 @@ from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.messages import FailureReport, Heartbeat, Injection
 from deadpool_megatron.control.monitor import Monitor, ProcessProbe
-from deadpool_megatron.control.tcp_store import TcpKVStore
 from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressMark
 
@@ -21,13 +20,6 @@ class Clock:
 
     def __call__(self):
         return self.t
-
-
-@pytest.fixture
-def kv():
-    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
-    yield store
-    store.close()
 
 
 class Processes:

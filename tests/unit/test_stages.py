@@ -16,7 +16,6 @@ from deadpool_megatron.control.messages import (
     RankHoldings,
     RecoveryPlan,
 )
-from deadpool_megatron.control.tcp_store import TcpKVStore
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.recovery.stages import (
     ProcessRecovery,
@@ -64,13 +63,6 @@ class FakeTrainer:
 
     def detach(self):
         return None
-
-
-@pytest.fixture
-def kv():
-    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
-    yield store
-    store.close()
 
 
 def make(kv, time_, rank=1, cls=ProcessRecovery):

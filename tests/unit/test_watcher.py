@@ -7,7 +7,6 @@ import pytest
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.messages import RecoveryOrder
-from deadpool_megatron.control.tcp_store import TcpKVStore
 from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.process.watcher import OrderWatcher
@@ -45,10 +44,8 @@ class Rig:
 
 
 @pytest.fixture
-def rig():
-    kv = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
-    yield Rig(kv)
-    kv.close()
+def rig(kv):
+    return Rig(kv)
 
 
 def test_an_order_is_recorded_once_and_cuts_the_communicators(rig):
