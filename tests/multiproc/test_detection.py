@@ -191,8 +191,9 @@ def test_healthy_job_with_saves_on_a_machine_with_every_core_busy_is_never_accus
 
 def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_path, baseline):
     # Seed 1440 at a 6 s mean: kill rank 1 at 1.6 s of training, kill rank 0 at 5.4 s, hang
-    # rank 0 at 9.7 s, then nothing before 35.8 s. Each fault goes into a running job (never
-    # into a recovery), each is detected and timed in the generation it happened in.
+    # rank 0 at 9.7 s, hang rank 1 at 35.8 s, then nothing before 41.3 s: 2 to 4 faults, as
+    # fast as this machine trains 40 iterations (8-36 s here). Each goes into a running job
+    # (never into a recovery), and each is detected and timed in the generation it happened in.
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--train-iters", "40", "--deadpool-chaos-mtbf", "6",
             "--deadpool-chaos-seed", "1440", "--deadpool-event-log", str(log)]  # fmt: skip
@@ -203,7 +204,8 @@ def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_p
     assert all(isinstance(e["generation"], int) for e in events), events
     injected = [e for e in events if e["event"] == "fault_injected"]
     detected = [e for e in events if e["event"] == "failure_detected"]
-    assert [e["fault"] for e in injected][:3] == ["chaos-kill@1", "chaos-kill@0", "chaos-hang@0"]
+    schedule = ["chaos-kill@1", "chaos-kill@0", "chaos-hang@0", "chaos-hang@1"]
+    assert len(injected) >= 2 and [e["fault"] for e in injected] == schedule[: len(injected)]
     assert len(detected) == len(injected)
     for inj, det in zip(injected, detected, strict=True):
         assert (det["rank"], det["generation"]) == (inj["rank"], inj["generation"])
