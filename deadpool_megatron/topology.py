@@ -2,9 +2,15 @@
 
 megatron-core orders ranks "tp-cp-ep-dp-pp" (tensor fastest, pipeline slowest), so with
 TP=2, PP=2 on 8 ranks the TP groups are [0,1],[2,3].., the DP groups [0,2],[1,3],[4,6],[5,7]
-and the PP groups [0,4],[1,5]... The DP ring (rank d sends its optimizer shard to d+1 mod DP,
-inside the same TP/PP coordinates) is derived here too, so planning code never touches
-torch.distributed.
+and the PP groups [0,4],[1,5]... The DP ring (each rank sends its optimizer shard to the next
+K members of its DP group, inside the same TP/PP coordinates) is derived here too, so planning
+code never touches torch.distributed.
+
+Nodes hold consecutive ranks (`ranks_per_node` of them, as every launcher places them). When a
+DP group spans nodes, its ring visits the nodes in turn (the first member of each node, then
+the second, ...), so a rank's replicas live on other nodes than its own and one node's loss
+never takes a shard together with its replicas; `unprotected_against_node_loss` names the
+shards the shape and K cannot protect that way.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ class Topology:
     world_size: int
     tp: int
     pp: int
+    ranks_per_node: int | None = None  # None: every rank on one node
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world_size < 1:
             raise ConfigError(
                 f"topology sizes must be positive: world={self.world_size} tp={self.tp} pp={self.pp}"
             )
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ConfigError(f"ranks per node must be positive, got {self.ranks_per_node}")
         if self.world_size % (self.tp * self.pp):
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by tp {self.tp} x pp {self.pp}"
@@ -67,20 +76,41 @@ class Topology:
         c = self.coords(rank)
         return [self.rank(Coordinates(c.tp, p, c.dp)) for p in range(self.pp)]
 
+    def node(self, rank: int) -> int:
+        self._check(rank)
+        return 0 if self.ranks_per_node is None else rank // self.ranks_per_node
+
+    def ring(self, rank: int) -> list[int]:
+        """This rank's DP group in ring order: DP order on one node; across nodes, the first
+        member of each node (in node order), then the second of each, and so on."""
+        members = self.dp_group(rank)
+        by_node: dict[int, list[int]] = {}
+        for m in members:
+            by_node.setdefault(self.node(m), []).append(m)
+        if len(by_node) == 1:
+            return members
+        columns = [by_node[n] for n in sorted(by_node)]
+        return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
+
     def ring_successors(self, rank: int, k: int = 1) -> list[int]:
         """The k next ranks on this rank's DP ring (who holds replicas of its shard)."""
-        c = self.coords(rank)
-        hops = min(k, self.dp - 1)
-        return [
-            self.rank(Coordinates(c.tp, c.pp, (c.dp + h) % self.dp)) for h in range(1, hops + 1)
-        ]
+        ring = self.ring(rank)
+        i, n = ring.index(rank), len(ring)
+        return [ring[(i + h) % n] for h in range(1, min(k, n - 1) + 1)]
 
     def ring_predecessors(self, rank: int, k: int = 1) -> list[int]:
         """The k previous ranks on this rank's DP ring (whose shards this rank replicates)."""
-        c = self.coords(rank)
-        hops = min(k, self.dp - 1)
+        ring = self.ring(rank)
+        i, n = ring.index(rank), len(ring)
+        return [ring[(i - h) % n] for h in range(1, min(k, n - 1) + 1)]
+
+    def unprotected_against_node_loss(self, k: int) -> list[int]:
+        """Ranks whose optimizer shard and every one of its k replicas share one node: losing
+        that node loses the shard (their DP group does not span nodes enough for k)."""
         return [
-            self.rank(Coordinates(c.tp, c.pp, (c.dp - h) % self.dp)) for h in range(1, hops + 1)
+            r
+            for r in range(self.world_size)
+            if all(self.node(s) == self.node(r) for s in self.ring_successors(r, k))
         ]
 
     def is_last_stage(self, rank: int) -> bool:

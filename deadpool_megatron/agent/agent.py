@@ -110,6 +110,10 @@ class Agent:
             (a.node_rank + 1) * a.nproc_per_node - 1, self.world_size, a.spares, self.port,
         )  # fmt: skip
 
+    def topology(self) -> Topology:
+        return Topology(self.world_size, self.settings.tp, self.settings.pp,
+                        self.args.nproc_per_node)  # fmt: skip
+
     def on_signal(self, signum, frame) -> None:
         self._stop_signal = signum
 
@@ -125,7 +129,7 @@ class Agent:
             watch_heartbeats=p.deadpool, probe=lambda r: workers[r].probe(),
             on_suspect=self._on_suspect,
         )  # fmt: skip
-        topo = Topology(self.world_size, self.settings.tp, self.settings.pp)
+        topo = self.topology()
         coordinator = Coordinator(self.ctx, topo, p.deadpool_replicas, self.events)
         chaos = Chaos(
             p.deadpool_chaos_mtbf, p.deadpool_chaos_seed, self.world_size, self.ctx,
@@ -220,7 +224,7 @@ class Agent:
         ]
         if any(h is None for h in holders):
             return False
-        topo = Topology(self.world_size, self.settings.tp, self.settings.pp)
+        topo = self.topology()
         members = tuple(
             Member(r, h.process_id, astuple(topo.coords(r))) for r, h in enumerate(holders)
         )

@@ -35,7 +35,9 @@ def build_pipeline(
     p = cfg.parallel
     world = dist.get_world_size()
     rank = dist.get_rank()
-    topo = Topology(world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    topo = Topology(
+        world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, env.local_world_size
+    )
     group = parallel.ring_group(topo)
     k = cfg.deadpool.deadpool_replicas
     coords = topo.coords(rank)

@@ -181,6 +181,7 @@ class ProcessRecovery:
             env.world_size,
             cfg.parallel.tensor_model_parallel_size,
             cfg.parallel.pipeline_model_parallel_size,
+            env.local_world_size,
         )
         self.held = Held()
         self.active = False  # between a failure and the resumed iteration

@@ -51,3 +51,30 @@ def test_bad_sizes_and_ranks_are_rejected_with_the_value():
         topo.coords(8)
     with pytest.raises(ConfigError, match="lie outside"):
         topo.rank(Coordinates(tp=2, pp=0, dp=0))
+
+
+def test_on_one_node_the_ring_is_dp_order():
+    topo = Topology(world_size=8, tp=2, pp=1, ranks_per_node=8)  # dp = 4: ring [0, 2, 4, 6]
+    assert topo.ring(2) == [0, 2, 4, 6] == Topology(8, 2, 1).ring(2)
+    assert topo.ring_successors(6, 2) == [0, 2] and topo.ring_predecessors(0) == [6]
+
+
+def test_across_nodes_the_ring_puts_every_replica_on_another_node():
+    # 3 nodes of 2 ranks, DP 6: naive order would place rank 0's replica on rank 1, its own
+    # node; the ring visits the nodes in turn instead.
+    topo = Topology(world_size=6, tp=1, pp=1, ranks_per_node=2)
+    assert [topo.node(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert topo.ring(0) == [0, 2, 4, 1, 3, 5]
+    for rank in range(6):
+        for succ in topo.ring_successors(rank, 2):
+            assert topo.node(succ) != topo.node(rank)
+        assert rank in topo.ring_successors(topo.ring_predecessors(rank)[0])
+    assert topo.unprotected_against_node_loss(2) == []
+
+
+def test_shards_a_node_loss_would_take_are_named():
+    # TP2 x DP2 with 4 ranks per node: each DP group ([0, 2], [1, 3]) lies on one node.
+    topo = Topology(world_size=8, tp=2, pp=2, ranks_per_node=4)
+    assert topo.unprotected_against_node_loss(1) == list(range(8))
+    # 2 ranks per node: DP peers 0 and 2 are on nodes 0 and 1.
+    assert Topology(8, 2, 2, ranks_per_node=2).unprotected_against_node_loss(1) == []
