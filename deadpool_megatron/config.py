@@ -173,6 +173,12 @@ class DeadpoolConfig:
         "of a hang that does not stop the process (a deadlock holding the GIL). A phase's limit "
         "grows to --deadpool-hang-timeout-factor x the longest that phase has taken.",
     )
+    deadpool_node_timeout: float = knob(
+        2.0,
+        "Seconds a node agent's lease (renewed every --deadpool-heartbeat-interval by a thread "
+        "of the agent, not of a training process) may go unrenewed before the other nodes "
+        "count the node lost and hot-swap its ranks onto spares (multi-node jobs).",
+    )
     deadpool_hang_timeout_factor: float = knob(
         5.0, "Multiple of the longest observed duration of a phase that the phase may take."
     )
@@ -401,6 +407,11 @@ def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
 
     check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
     HangPolicy.from_config(dpc)  # raises ConfigError naming the flag
+    _require(
+        dpc.deadpool_node_timeout > dpc.deadpool_heartbeat_interval,
+        f"--deadpool-node-timeout={dpc.deadpool_node_timeout} must be longer than "
+        f"--deadpool-heartbeat-interval={dpc.deadpool_heartbeat_interval} (the lease's renewal)",
+    )
     _require(
         dpc.deadpool_health_check_interval >= 0,
         f"--deadpool-health-check-interval={dpc.deadpool_health_check_interval} must be 0 (off) "

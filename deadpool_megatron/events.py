@@ -23,6 +23,7 @@ SUSPECTED = "suspected"  # a late heartbeat from a process that is still progres
 SPARE_REGISTERED = "spare_registered"
 SPARE_CLAIMED = "spare_claimed"
 SPARE_LOST = "spare_lost"
+NODE_LOST = "node_lost"  # a node's agent lease lapsed: its ranks and spares are gone
 FAULT_INJECTED = "fault_injected"
 JOB_ENDED = "job_ended"
 CHECKPOINT_LOADED = "checkpoint_loaded"

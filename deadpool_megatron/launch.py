@@ -36,13 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Worker processes on this node.")  # fmt: skip
     parser.add_argument("--spares", type=int, default=0, metavar="S",
                         help="Spare processes on this node (default: 0).")  # fmt: skip
-    parser.add_argument("--nnodes", type=int, default=1, help="Nodes in the job (default: 1).")
-    parser.add_argument("--node-rank", type=int, default=0, help="This node's rank (default: 0).")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="Worker nodes in the job (default: 1); one agent runs on each.")  # fmt: skip
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="M",
+                        help="Spare nodes beyond --nnodes (default: 0): their agents start "
+                        "--nproc-per-node spare processes each, and a lost worker node's ranks "
+                        "move onto one of them together. Needs --deadpool.")  # fmt: skip
+    parser.add_argument("--node-rank", type=int, default=0,
+                        help="This node's index (default: 0): 0 to NNODES-1 are worker nodes, "
+                        "NNODES to NNODES+M-1 spare nodes.")  # fmt: skip
     parser.add_argument("--master-addr", default="127.0.0.1",
                         help="Address of node 0, which hosts the store (default: 127.0.0.1).")  # fmt: skip
     parser.add_argument("--master-port", type=int, default=0,
                         help="Store port on node 0; 0 picks a free one on a single node.")  # fmt: skip
-    parser.add_argument("--job-id", default=None, help="Job id (default: a random one).")
+    parser.add_argument("--job-id", default=None,
+                        help="Job id, the same on every node (default: a random one, agreed "
+                        "by the agents through the store; required with several nodes on "
+                        "--deadpool-store etcd).")  # fmt: skip
     parser.add_argument(
         "--restart-policy", choices=("hotswap", "full"), default="hotswap",
         help="What a failure costs. hotswap (default): a job with --deadpool recovers in place "
@@ -68,16 +78,45 @@ def validate_launch_args(a: argparse.Namespace) -> None:
         raise ConfigError(f"--spares={a.spares} must be 0 or more")
     if a.nnodes < 1:
         raise ConfigError(f"--nnodes={a.nnodes} must be at least 1")
-    if not 0 <= a.node_rank < a.nnodes:
-        raise ConfigError(f"--node-rank={a.node_rank} must lie in [0, {a.nnodes - 1}]")
+    if a.spare_nodes < 0:
+        raise ConfigError(f"--spare-nodes={a.spare_nodes} must be 0 or more")
+    nodes = a.nnodes + a.spare_nodes
+    if not 0 <= a.node_rank < nodes:
+        raise ConfigError(
+            f"--node-rank={a.node_rank} must lie in [0, {nodes - 1}] "
+            f"(--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes})"
+        )
+    allocated = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    if allocated and allocated.isdigit() and nodes > int(allocated):
+        raise ConfigError(
+            f"--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes} = {nodes} nodes, but the "
+            f"Slurm allocation has {allocated}; ask for fewer or allocate more (sbatch --nodes)"
+        )
     if not 0 <= a.master_port < 65536:
         raise ConfigError(f"--master-port={a.master_port} must lie in [0, 65535]")
-    if a.nnodes > 1 and a.master_port == 0:
-        raise ConfigError("--master-port 0 (pick a free port) only works with --nnodes 1")
+    if nodes > 1 and a.master_port == 0:
+        raise ConfigError(
+            "--master-port 0 (pick a free port) only works on one node; with several, pass "
+            "the same free port to every node's agent"
+        )
     if a.max_restarts < 0:
         raise ConfigError(f"--max-restarts={a.max_restarts} must be 0 or more")
     if not os.path.isfile(a.script):
         raise ConfigError(f"script {a.script!r} does not exist")
+
+
+def validate_nodes(a: argparse.Namespace, settings: LaunchSettings) -> None:
+    """What only the script's flags tell: spare capacity the job could never use."""
+    if a.spare_nodes and not settings.protection.deadpool:
+        raise ConfigError(
+            f"--spare-nodes {a.spare_nodes} without --deadpool: an unprotected job cannot "
+            "hand a lost node's ranks to a spare node (add --deadpool, or drop the spare nodes)"
+        )
+    if a.spare_nodes and a.restart_policy == "full":
+        raise ConfigError(
+            f"--spare-nodes {a.spare_nodes} with --restart-policy full: a checkpoint-restart "
+            "never uses spares (use --restart-policy hotswap, or drop the spare nodes)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +133,17 @@ def main(argv: list[str] | None = None) -> int:
         rc, settings = preflight(args.script, args.script_args, world_size, args.spares)
         if rc != 0:
             return rc
+        try:
+            validate_nodes(args, settings)
+        except ConfigError as err:
+            print(f"deadpool-launch: error: {err}", file=sys.stderr)
+            return ConfigError.exit_code
     agent = Agent(args, settings)
     signal.signal(signal.SIGINT, agent.on_signal)
     signal.signal(signal.SIGTERM, agent.on_signal)
     try:
         agent.host_store()
-    except StoreUnreachable as err:
+    except (StoreUnreachable, ConfigError) as err:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
         return ConfigError.exit_code
     try:

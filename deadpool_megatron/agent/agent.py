@@ -1,6 +1,13 @@
-"""The agent of one node: hosts the job's store (node 0), starts the workers and spares, watches
-them, and acts on each classified failure as agent/decide.py says: hot-swap (recovery/
-coordinator.py), checkpoint-restart, or a clean end with one line."""
+"""The agent of one node: hosts the job's store (node 0) or connects to it, starts this node's
+workers and spares (a spare node: spares only), watches them and the other nodes' leases
+(agent/nodes.py), and acts on each classified failure as agent/decide.py says: hot-swap
+(recovery/coordinator.py), checkpoint-restart, or a clean end with one line.
+
+No node is special in a recovery: the first agent to write a generation's order coordinates
+it (a failure of its own processes, or another node's lapsed lease), every other agent follows
+it from the store (reports its own lost ranks, fences only its own processes, and adopts the
+plan's word on which local processes hold which rank), and a checkpoint-restart is one record
+that every agent carries out."""
 
 from __future__ import annotations
 
@@ -10,23 +17,37 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import astuple
+from dataclasses import astuple, dataclass, field
 
-from ..control import keys
+from ..control import keys, messages
 from ..control.chaos import Chaos
 from ..control.connect import control_store
 from ..control.context import JobContext
 from ..control.membership import MembershipStore
-from ..control.messages import Flag, Member, Membership, Registration, spare_id
+from ..control.messages import (
+    AgentBeat,
+    Flag,
+    JobIdentity,
+    Member,
+    Membership,
+    PlanDecision,
+    RankLost,
+    RecoveryOrder,
+    Registration,
+    RestartOrder,
+    spare_id,
+)
 from ..control.monitor import Detection, Monitor
-from ..control.store import StoreTimeout
+from ..control.store import StoreTimeout, StoreUnreachable
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
+from ..errors import ConfigError
 from ..events import (
     FAILURE_DETECTED,
     FENCED,
     JOB_ENDED,
     JOB_RESTART,
+    NODE_LOST,
     SPARE_LOST,
     SUSPECTED,
     EventLog,
@@ -34,12 +55,14 @@ from ..events import (
 from ..failure.classify import describe
 from ..failure.evidence import ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
-from ..recovery.coordinator import Coordinator
+from ..recovery.coordinator import Coordinator, OrderExists
+from ..recovery.placement import order_spares
 from ..recovery.plan import Unrecoverable
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
 from .decide import Action, respond
+from .nodes import Hosted, Lease, NodeWatch
 from .settings import LaunchSettings
 
 log = logging.getLogger("deadpool.launch")
@@ -47,17 +70,39 @@ log = logging.getLogger("deadpool.launch")
 RECOVERY_TIMEOUT_S = 300.0
 RESTART = -1  # watch() asks its caller to watch the restarted job
 POLL_S = 0.02
+STORE_LOOK_S = 0.1  # other nodes' leases, orders and restarts: store reads, not every poll
+FOLLOW_POLL_S = 0.02
 MEMBERSHIP_POLL_S = 0.25  # looking for every rank's registration: store reads, not every poll
 FINISH_TIMEOUT_S = 600.0  # for every node's workers to succeed
 SPARES_EXIT_S = 10.0
+AGENTS_LEAVE_S = 30.0
+
+
+@dataclass
+class Run:
+    """One start of the job on this node (a checkpoint-restart begins a new one): its local
+    processes and the watchers over them."""
+
+    workers: dict[int, Child]  # rank -> the local process holding it
+    spares: list[Child]  # local idle spares
+    monitor: Monitor
+    coordinator: Coordinator
+    chaos: Chaos
+    nodes: NodeWatch
+    up: bool = False  # generation 0's membership is recorded
+    replaced_in: dict[int, int] = field(default_factory=dict)  # rank -> generation it moved in
+    lost_nodes: list[AgentBeat] = field(default_factory=list)  # seen during a recovery, to act on
 
 
 class Agent:
     def __init__(self, args: argparse.Namespace, settings: LaunchSettings):
         self.args = args
         self.settings = settings
+        self.node = args.node_rank
+        self.node_count = args.nnodes + args.spare_nodes
+        self.spare_node = args.node_rank >= args.nnodes  # runs spares only
         self.world_size = args.nnodes * args.nproc_per_node
-        self.job_id = args.job_id or uuid.uuid4().hex[:8]
+        self.job_id = args.job_id or ""  # agreed in host_store() when not given
         self.fault_scope = self.job_id  # injected faults fire once across restarts
         self.restarts = 0
         self.extra_args: list[str] = []  # --load DIR after a checkpoint-restart
@@ -69,6 +114,8 @@ class Agent:
         self.store = None
         self.kv = None
         self.ctx: JobContext | None = None  # the job's standing; a restart starts a new one
+        self.lease: Lease | None = None
+        self._hosted = Hosted(0, (), ())  # what the lease says this node hosts (a snapshot)
         self._stop_signal: int | None = None
         p = settings.protection
         self.events = EventLog(
@@ -77,13 +124,14 @@ class Agent:
 
     # -- start-up ---------------------------------------------------------------------------
     def host_store(self) -> None:
-        """The job's TCPStore, in this process so it outlives every worker (node 0 hosts it)."""
+        """The job's TCPStore, in this process so it outlives every worker (node 0 hosts it,
+        the other nodes' agents connect to it), and the job id every agent uses."""
         import torch.distributed as dist
 
         self.store = dist.TCPStore(
             self.args.master_addr,
             self.port,
-            is_master=self.args.node_rank == 0,
+            is_master=self.node == 0,
             timeout=datetime.timedelta(seconds=300),
             wait_for_workers=False,
         )
@@ -93,22 +141,90 @@ class Agent:
             self.kv = control_store("etcd", p.deadpool_etcd_endpoints, "", 0)
         else:
             self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
+        if not self.job_id:
+            self.job_id = self._agree_job_id()
+        self.fault_scope = self.job_id
         self.ctx = JobContext(self.kv, self.job_id)
+
+    def _agree_job_id(self) -> str:
+        """One node: a fresh id. Several: the first agent to write one under this launch's
+        store address wins and everyone reads it (the TCPStore is new with every launch; on
+        etcd, which outlives launches, --job-id is required instead)."""
+        fresh = uuid.uuid4().hex[:8]
+        if self.node_count == 1:
+            return fresh
+        if self.settings.protection.deadpool_store == "etcd":
+            raise ConfigError("--deadpool-store etcd with several nodes needs --job-id (the "
+                              "same on every node; under Slurm, $SLURM_JOB_ID)")  # fmt: skip
+        key = keys.launch_identity(f"{self.args.master_addr}:{self.port}")
+        messages.create(self.kv, key, JobIdentity(fresh))
+        return messages.get(self.kv, key, JobIdentity).job
+
+    def spare_index(self, s: int) -> int:
+        """Globally unique: every node numbers its spares in its own block."""
+        a = self.args
+        slots = max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
+        return self.node * slots + s
+
+    def expected_spares(self) -> list[str]:
+        a = self.args
+        slots = max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
+        return [
+            spare_id(node * slots + s)
+            for node in range(self.node_count)
+            for s in range(a.nproc_per_node if node >= a.nnodes else a.spares)
+        ]
 
     def start(self) -> None:
         a = self.args
         env = job_env(self.job_id, self.port, self.fault_scope)
-        for local in range(a.nproc_per_node):
-            rank = a.node_rank * a.nproc_per_node + local
-            self.children.spawn(ROLE_WORKER, rank, local, env, self.extra_args)
-        for s in range(a.spares):
-            index = a.node_rank * a.spares + s
-            self.children.spawn(ROLE_SPARE, index, a.nproc_per_node + s, env, self.extra_args)
+        if not self.spare_node:
+            for local in range(a.nproc_per_node):
+                rank = self.node * a.nproc_per_node + local
+                self.children.spawn(ROLE_WORKER, rank, local, env, self.extra_args)
+        count = a.nproc_per_node if self.spare_node else a.spares
+        for s in range(count):
+            local = s if self.spare_node else a.nproc_per_node + s
+            self.children.spawn(ROLE_SPARE, self.spare_index(s), local, env, self.extra_args)
+        if self.spare_node:
+            log.info("job %s: spare node %d: %d spare(s) started", self.job_id, self.node, count)
+        else:
+            log.info(
+                "job %s: node %d: %d worker(s) (ranks %d-%d of %d) and %d spare(s) started, "
+                "store on %s:%d", self.job_id, self.node, a.nproc_per_node,
+                self.node * a.nproc_per_node, (self.node + 1) * a.nproc_per_node - 1,
+                self.world_size, count, a.master_addr, self.port,
+            )  # fmt: skip
+        if self.node == 0 and self.restarts == 0:
+            self._log_layout()
+        if self.lease is not None:
+            self.lease.stop()
+        self.lease = Lease(self.ctx, self.node, lambda: self._hosted,
+                           self.settings.protection.deadpool_heartbeat_interval)  # fmt: skip
+        self.lease.start()
+
+    def _log_layout(self) -> None:
+        """Once per job: where the store lives, and what one node's loss would cost."""
+        p = self.settings.protection
+        if self.node_count == 1:
+            return
         log.info(
-            "job %s: %d worker(s) (ranks %d-%d of %d) and %d spare(s) started, store on port %d",
-            self.job_id, a.nproc_per_node, a.node_rank * a.nproc_per_node,
-            (a.node_rank + 1) * a.nproc_per_node - 1, self.world_size, a.spares, self.port,
+            "the job's TCPStore runs in node 0's agent (%s:%d)%s", self.args.master_addr,
+            self.port,
+            ": the control records live in etcd, but every generation's process groups still "
+            "meet in this TCPStore, so losing node 0 ends the job"
+            if p.deadpool_store == "etcd" else
+            ": if node 0 is lost, every other agent stops its processes and the job ends "
+            "(resubmit it with --load to resume from the newest checkpoint under --save)",
         )  # fmt: skip
+        if p.deadpool:
+            bare = self.topology().unprotected_against_node_loss(p.deadpool_replicas)
+            if bare:
+                log.warning(
+                    "the optimizer shards of rank(s) %s and all their %d replica(s) share a "
+                    "node: losing that node loses them (DP groups must span nodes, or raise "
+                    "--deadpool-replicas)", bare, p.deadpool_replicas,
+                )  # fmt: skip
 
     def topology(self) -> Topology:
         return Topology(self.world_size, self.settings.tp, self.settings.pp,
@@ -118,8 +234,7 @@ class Agent:
         self._stop_signal = signum
 
     # -- watching ---------------------------------------------------------------------------
-    def watch(self) -> int:
-        """Watch the job until it ends (exit status) or restarts (RESTART)."""
+    def _new_run(self) -> Run:
         p = self.settings.protection
         workers = {c.index: c for c in self.children.all if c.role == ROLE_WORKER}
         spares = [c for c in self.children.all if c.role == ROLE_SPARE]
@@ -129,26 +244,50 @@ class Agent:
             watch_heartbeats=p.deadpool, probe=lambda r: workers[r].probe(),
             on_suspect=self._on_suspect,
         )  # fmt: skip
-        topo = self.topology()
-        coordinator = Coordinator(self.ctx, topo, p.deadpool_replicas, self.events)
+        coordinator = Coordinator(self.ctx, self.topology(), p.deadpool_replicas, self.events,
+                                  node=self.node)  # fmt: skip
         chaos = Chaos(
             p.deadpool_chaos_mtbf, p.deadpool_chaos_seed, self.world_size, self.ctx,
             lambda: {r: c.proc.pid for r, c in workers.items() if c.alive()}, self.events,
         )  # fmt: skip
+        nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count)),
+                          p.deadpool_node_timeout)  # fmt: skip
+        return Run(workers, spares, monitor, coordinator, chaos, nodes, up=not p.deadpool)
+
+    def watch(self) -> int:
+        """Watch the job until it ends (exit status) or restarts (RESTART)."""
+        run = self._new_run()
+        try:
+            return self._watch(run)
+        except StoreUnreachable as err:
+            log.error("%s; stopping this node's processes", err)
+            return self._end(str(err))
+
+    def _watch(self, run: Run) -> int:
         spare_kills = self.settings.spare_kills()
-        up = self.args.node_rank != 0 or not p.deadpool
+        next_store_look = 0.0
         next_membership_check = 0.0
         while True:
+            self._hosted = Hosted(
+                self.ctx.generation, tuple(sorted(run.workers)),
+                tuple(spare_id(c.index) for c in run.spares if c.alive()),
+            )  # fmt: skip
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
                 log.info("received %s: forwarding it to every process", name)
                 self.children.terminate(self._stop_signal)
                 return 128 + self._stop_signal
-            detection = monitor.poll()
-            if detection is not None:
-                rc = self._act(detection, workers, spares, monitor, coordinator, up)
+            if time.monotonic() >= next_store_look:
+                next_store_look = time.monotonic() + STORE_LOOK_S
+                rc = self._look_at_the_job(run)
                 if rc is not None:
                     return rc
+            detection = run.monitor.poll()
+            if detection is not None:
+                rc = self._act(detection, run)
+                if rc is not None:
+                    return rc
+            coordinator = run.coordinator
             if coordinator.pending is not None:
                 coordinator.poll_done()
                 pending = coordinator.pending
@@ -156,28 +295,52 @@ class Agent:
                     log.error("recovery into generation %d did not finish within %.0f s; "
                               "ending the job", pending.generation, RECOVERY_TIMEOUT_S)  # fmt: skip
                     return self._end("recovery timed out")
-            self._watch_spares(spares, spare_kills, monitor.iteration)
-            chaos.step(monitor.iteration, running=coordinator.pending is None)
-            if not up and time.monotonic() >= next_membership_check:
+            self._watch_spares(run.spares, spare_kills, run.monitor.iteration)
+            run.chaos.step(run.monitor.iteration, running=coordinator.pending is None)
+            if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
-                up = self._write_membership(spares)
-            if all(c.proc.poll() == 0 for c in workers.values()):
-                return self.finish(spares)
+                run.up = self._membership_up(run.spares)
+            if run.workers:
+                if all(c.proc.poll() == 0 for c in run.workers.values()):
+                    return self.finish(run)
+            elif self.ctx.get(keys.job_finished(self.job_id), Flag) is not None:
+                return self.finish(run)
             time.sleep(POLL_S)
 
-    def _act(self, detection, workers, spares, monitor, coordinator, up) -> int | None:
+    def _look_at_the_job(self, run: Run) -> int | None:
+        """What other nodes did or lost: a restart to join, this node counted lost, another
+        node's lease lapsed, a recovery another agent ordered."""
+        order = self.ctx.get(keys.restart(self.fault_scope, self.restarts + 1), RestartOrder)
+        if order is not None:
+            return self._restart(order)
+        if self.ctx.get(keys.node_lost(self.job_id, self.node), Flag) is not None:
+            log.error("this node (%d) was counted lost by the job (its lease lapsed); stopping "
+                      "its processes, which no longer hold any rank", self.node)  # fmt: skip
+            return self._end(f"node {self.node} counted lost")
+        run.lost_nodes.extend(run.nodes.poll())
+        while run.lost_nodes:
+            rc = self._node_lost(run.lost_nodes.pop(0), run)
+            if rc is not None:
+                return rc
+        generation = self.ctx.generation + 1
+        if self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder) is not None:
+            return self._follow(run, generation)
+        return None
+
+    def _act(self, detection: Detection, run: Run) -> int | None:
         c = detection.classification
-        response = respond(c, self.args.restart_policy, self.settings.protection.deadpool, up)
+        response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
+                           run.up)  # fmt: skip
         fence_s = 0.0
         if response.fence:
             t = time.time()
-            self._fence(workers[c.rank], c.rank, describe(c.evidence), monitor)
+            self._fence(run, c.rank, describe(c.evidence))
             fence_s = time.time() - t
-        self._log_detection(detection, monitor.iteration)
+        self._log_detection(detection, run.monitor.iteration)
         if response.action is Action.RESTART:
             return self.restart(f"failure of rank {c.rank}")
         if response.action is Action.END:
-            child = workers[c.rank]
+            child = run.workers[c.rank]
             if isinstance(c.evidence, ProcessExited):
                 log.error("worker rank %d (pid %d) %s; ending the job", c.rank, child.proc.pid,
                           describe_exit(c.evidence.returncode))  # fmt: skip
@@ -186,9 +349,42 @@ class Agent:
                           c.rank)  # fmt: skip
             return self._end(f"failure of rank {c.rank}")
         if not response.replace:
-            monitor.record_transient(c.rank, c.evidence.at)
-        return self.hot_swap(detection, response.replace, fence_s, workers, spares, monitor,
-                             coordinator)  # fmt: skip
+            run.monitor.record_transient(c.rank, c.evidence.at)
+        permanent = {c.rank} if response.replace else set()
+        failed_at = detection.injected_at or c.evidence.at
+        phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
+        return self.hot_swap(run, permanent, c.reason, failed_at, phases)
+
+    def _node_lost(self, beat: AgentBeat, run: Run) -> int | None:
+        """Another node's lease lapsed: its agent and processes are gone (or cut off, and
+        about to stop themselves). The first agent to count it (first writer of its flag)
+        takes its spares out of the pool and hot-swaps the ranks it still held; the others
+        follow that recovery."""
+        what = f"node {beat.node} (agent pid {beat.pid} on {beat.host})"
+        if not self.ctx.create(keys.node_lost(self.job_id, beat.node), Flag(f"node {self.node}")):
+            log.info("%s is lost (counted by another node's agent)", what)
+            return None
+        # Ranks a recovery has moved since the lease was written are not the node's anymore.
+        ranks = [r for r in beat.ranks if run.replaced_in.get(r, -1) <= beat.generation]
+        log.error("%s is lost: no lease renewal for %.1f s; it held rank(s) %s and spare(s) %s",
+                  what, run.nodes.timeout_s, ranks, list(beat.spares))  # fmt: skip
+        self.events.emit(NODE_LOST, node=beat.node, ranks=ranks, spares=list(beat.spares),
+                         last_lease=beat.at)  # fmt: skip
+        for sid in beat.spares:
+            self.kv.delete(keys.spare(self.job_id, sid))
+        if not ranks:
+            return None
+        if self.args.restart_policy == "full":
+            return self.restart(f"loss of {what}")
+        if not self.settings.protection.deadpool or not run.up:
+            log.error(
+                "%s was lost and the job %s; ending it",
+                what,
+                "is not up yet" if run.up is False else "has no --deadpool protection",
+            )
+            return self._end(f"loss of {what}")
+        phases = {"detect": time.time() - beat.at}
+        return self.hot_swap(run, set(ranks), f"{what} lost", beat.at, phases)
 
     def _on_suspect(self, rank: int, reason: str) -> None:
         """A late heartbeat from a process that is still progressing: say so, never fence."""
@@ -216,8 +412,12 @@ class Agent:
                     self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
                                      how=describe_exit(rc))  # fmt: skip
 
-    def _write_membership(self, spares: list[Child]) -> bool:
-        """Generation 0's membership, once every rank has registered its process."""
+    def _membership_up(self, spares: list[Child]) -> bool:
+        """Node 0 records generation 0's membership once every rank (and every spare that
+        is alive to register) has; the other nodes wait to see it."""
+        members = MembershipStore(self.kv, self.job_id)
+        if self.node != 0:
+            return members.current() is not None
         holders = [
             self.ctx.get(keys.registration(self.job_id, 0, r), Registration)
             for r in range(self.world_size)
@@ -225,23 +425,29 @@ class Agent:
         if any(h is None for h in holders):
             return False
         topo = self.topology()
-        members = tuple(
+        ranks = tuple(
             Member(r, h.process_id, astuple(topo.coords(r))) for r, h in enumerate(holders)
         )
-        ids = tuple(spare_id(c.index) for c in spares if c.alive())
-        MembershipStore(self.kv, self.job_id).create(Membership(0, members, ids))
-        log.info("generation 0: %d ranks and %d spare(s) recorded", len(members), len(ids))
+        local = {spare_id(c.index): c for c in spares}
+        ids = tuple(
+            sid
+            for sid in self.expected_spares()
+            if (local[sid].alive() if sid in local else self.kv.get(keys.spare(self.job_id, sid)))
+        )
+        members.create(Membership(0, ranks, ids))
+        log.info("generation 0: %d ranks and %d spare(s) recorded", len(ranks), len(ids))
         return True
 
-    def _fence(self, child: Child, rank: int, reason: str, monitor: Monitor) -> None:
+    def _fence(self, run: Run, rank: int, reason: str) -> None:
         """Kill a process that must not come back (hung, or unfit) before anything is rebuilt:
         a hung gloo collective cannot be aborted, its peers fail once it is gone."""
+        child = run.workers[rank]
         if child.alive():
             child.kill()
             child.proc.wait()
             self.events.emit(FENCED, rank=rank, pid=child.proc.pid, reason=reason)
             log.warning("fenced rank %d (pid %d): %s", rank, child.proc.pid, reason)
-        monitor.forget(rank)
+        run.monitor.forget(rank)
 
     def _log_detection(self, detection: Detection, iteration: int) -> None:
         c = detection.classification
@@ -256,38 +462,37 @@ class Agent:
             "" if latency is None else f" (detected {latency:.3f} s after the injection)",
         )  # fmt: skip
 
-    # -- acting -----------------------------------------------------------------------------
+    # -- hot-swap ---------------------------------------------------------------------------
     def hot_swap(
-        self,
-        detection: Detection,
-        replace: bool,
-        fence_s: float,
-        workers: dict[int, Child],
-        spares: list[Child],
-        monitor: Monitor,
-        coordinator: Coordinator,
-    ) -> int | None:
+        self, run: Run, permanent: set[int], reason: str, failed_at: float,
+        phases: dict[str, float],
+    ) -> int | None:  # fmt: skip
         """Recover without restarting the job: order every process to stop, plan from what
-        they hold, seat spares, publish the new generation. Returns an exit status only when
-        the job cannot go on."""
-        c = detection.classification
-        permanent = {c.rank} if replace else set()
-        failed_at = detection.injected_at or c.evidence.at
-        rec = coordinator.order(permanent, c.reason, failed_at)
-        rec.phases["detect"] = detection.detected_at - failed_at
-        rec.phases["fence"] = fence_s
+        they hold, seat spares, publish the new generation. The first agent to order the
+        recovery coordinates it; an agent that finds one ordered already joins it. Returns an
+        exit status only when the job cannot go on."""
+        coordinator = run.coordinator
+        try:
+            rec = coordinator.order(permanent, reason, failed_at)
+        except OrderExists:
+            generation = self.ctx.generation + 1
+            log.info("a recovery into generation %d is already ordered; rank(s) %s join it",
+                     generation, sorted(permanent))  # fmt: skip
+            for rank in permanent:
+                self.ctx.put(keys.rank_lost(self.job_id, generation, rank), RankLost(reason))
+            return self._follow(run, generation)
+        rec.phases.update(phases)
         held = coordinator.gather(
             rec,
-            lost=monitor.lost,
-            on_lost=lambda r, why: self._fence(
-                workers[r], r, f"lost during the recovery: {why}", monitor
-            ),  # fmt: skip
+            lost=lambda r: self._rank_lost(run, r, rec.generation),
+            on_lost=lambda r, why: (
+                r in run.workers and self._fence(run, r, f"lost during the recovery: {why}")
+            ),
         )
-        free = [s for s in spares if s.alive()]
         try:
-            plan = coordinator.decide(rec, held, [spare_id(s.index) for s in free])
+            plan = coordinator.decide(rec, held, self._free_spares(run, rec.permanent))
         except Unrecoverable as err:
-            lost = sorted(rec.permanent) or [c.rank]
+            lost = sorted(rec.permanent) or ["?"]
             if self.settings.on_unrecoverable == "checkpoint-restart":
                 log.error("cannot hot-swap the failure of rank(s) %s: %s; falling back to the "
                           "persistent checkpoint", lost, err)  # fmt: skip
@@ -295,30 +500,123 @@ class Agent:
             log.error("cannot recover from the failure of rank(s) %s: %s; ending the job",
                       lost, err)  # fmt: skip
             return self._end(f"unrecoverable: {err}")
-        for rank, sid in plan.replaced.items():
-            spare = next(s for s in free if spare_id(s.index) == sid)
-            spares.remove(spare)
-            workers[rank] = spare
-            log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid, rank)
+        self._adopt(run, plan)
         return None
 
+    def _rank_lost(self, run: Run, rank: int, generation: int) -> str | None:
+        if rank in run.workers:
+            return run.monitor.lost(rank)
+        return run.nodes.lost_rank(rank, generation)
+
+    def _free_spares(self, run: Run, failed: set[int]) -> list[str]:
+        """The spares free to take over, in the order the plan should use them (by node)."""
+        current = MembershipStore(self.kv, self.job_id).current()
+        local = {spare_id(c.index): c for c in run.spares}
+        free: dict[str, int | None] = {}
+        for sid in current.spares:
+            if sid in local:
+                if local[sid].alive():
+                    free[sid] = self.node
+                continue
+            node = run.nodes.node_of_spare(sid)
+            if node is None or run.nodes.is_lost(node):
+                continue
+            if self.kv.get(keys.spare(self.job_id, sid)) is not None:
+                free[sid] = node
+        where = {r: self.node if r in run.workers else run.nodes.host_of(r) for r in failed}
+        busy = run.nodes.busy() | ({self.node} if run.workers else set())
+        return order_spares(where, free, run.nodes.lost_nodes(), busy)
+
+    def _follow(self, run: Run, generation: int) -> int | None:
+        """Take part in a recovery another agent coordinates: say which local ranks will
+        never report, then take the plan's word on which local processes hold which rank. If
+        the coordinator's node is lost before it publishes a plan, recover again, from here."""
+        order = self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder)
+        self.ctx.advance(generation)
+        log.info("following the recovery into generation %d (coordinated by node %d): %s",
+                 generation, order.by, order.reason)  # fmt: skip
+        told: set[int] = set()
+
+        def poll():
+            if self.ctx.get(keys.recovery_order(self.job_id, generation + 1), RecoveryOrder):
+                return "superseded"
+            decision = self.ctx.get(keys.recovery_plan(self.job_id, generation), PlanDecision)
+            if decision is not None:
+                return decision
+            for rank in sorted(set(run.workers) - told):
+                why = "failed" if rank in order.permanent else run.monitor.lost(rank)
+                if why is not None:
+                    told.add(rank)
+                    self._fence(run, rank, f"lost during the recovery: {why}")
+                    self.ctx.put(keys.rank_lost(self.job_id, generation, rank), RankLost(why))
+            run.lost_nodes.extend(run.nodes.poll())  # acted on once this recovery is through
+            if order.by != self.node and run.nodes.is_lost(order.by):
+                return "coordinator lost"
+            return None
+
+        got = wait_until(poll, RECOVERY_TIMEOUT_S, f"the plan of generation {generation}",
+                         interval_s=FOLLOW_POLL_S)  # fmt: skip
+        if got == "superseded":
+            return self._follow(run, generation + 1)
+        if got == "coordinator lost":
+            # Its loss is queued: the first agent to count it orders the next generation,
+            # whose gather finds the ranks this one had lost gone as well.
+            log.error("node %d, coordinating the recovery into generation %d, is lost",
+                      order.by, generation)  # fmt: skip
+            return None
+        if got.unrecoverable is not None:
+            if self.settings.on_unrecoverable == "checkpoint-restart":
+                return None  # the coordinator orders the restart; the next look joins it
+            log.error("the recovery into generation %d is impossible: %s; ending",
+                      generation, got.unrecoverable)  # fmt: skip
+            return self._end(f"unrecoverable: {got.unrecoverable}")
+        self._adopt(run, got.plan)
+        return None
+
+    def _adopt(self, run: Run, plan) -> None:
+        """The plan's word on this node: claimed local spares now hold ranks; local ranks it
+        gave to spares elsewhere are no longer this node's."""
+        for rank, sid in sorted(plan.replaced.items()):
+            run.replaced_in[rank] = plan.generation
+            old = run.workers.pop(rank, None)
+            if old is not None and old.alive():
+                old.kill()  # a replaced process must not live on beside its successor
+            spare = next((s for s in run.spares if spare_id(s.index) == sid), None)
+            if spare is not None:
+                run.spares.remove(spare)
+                run.workers[rank] = spare
+                log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid,
+                         rank)  # fmt: skip
+        run.monitor.set_ranks(sorted(run.workers))
+
+    # -- ending -----------------------------------------------------------------------------
     def restart(self, reason: str) -> int:
-        """Checkpoint-restart: stop every process, start the job again under a new job id
-        (a fresh key space) with --load, so it resumes from the newest complete checkpoint."""
+        """Checkpoint-restart, decided here: recorded in the store so every node's agent
+        takes part in the same one (first writer wins), then carried out."""
         save = self.settings.save
         if self.restarts >= self.args.max_restarts or not save:
             why = "no --save directory" if not save else f"--max-restarts {self.args.max_restarts}"
             log.error("cannot restart the job (%s) after %s; ending it", why, reason)
             return self._end(f"{reason}; no restart ({why})")
-        self.events.emit(JOB_RESTART, reason=reason, restart=self.restarts + 1, load=save)
-        log.warning("checkpoint-restart %d: %s; stopping every process", self.restarts + 1, reason)
+        count = self.restarts + 1
+        order = RestartOrder(f"{self.fault_scope}-r{count}", reason, count)
+        self.ctx.create(keys.restart(self.fault_scope, count), order)
+        return self._restart(self.ctx.get(keys.restart(self.fault_scope, count), RestartOrder))
+
+    def _restart(self, order: RestartOrder) -> int:
+        """Stop every local process, start them again under the order's job id (a fresh key
+        space) with --load, so the job resumes from the newest complete checkpoint."""
+        self.events.emit(JOB_RESTART, reason=order.reason, restart=order.count,
+                         load=self.settings.save)  # fmt: skip
+        log.warning("checkpoint-restart %d: %s; stopping every process", order.count,
+                    order.reason)  # fmt: skip
         self.children.terminate(signal.SIGTERM)
         self.children.forget_all()
-        self.restarts += 1
-        self.job_id = f"{self.fault_scope}-r{self.restarts}"
+        self.restarts = order.count
+        self.job_id = order.job
         self.ctx = JobContext(self.kv, self.job_id)
         if self.settings.load is None:
-            self.extra_args = ["--load", save]
+            self.extra_args = ["--load", self.settings.save]
         self.start()
         return RESTART
 
@@ -327,25 +625,44 @@ class Agent:
         self.events.emit(JOB_ENDED, status=1, reason=reason)
         return 1
 
-    def finish(self, spares: list[Child]) -> int:
-        """Every local worker succeeded: tell the spares once every node is done."""
+    def finish(self, run: Run) -> int:
+        """This node's workers succeeded (or it has none and the job is done): tell the
+        spares once every rank is done."""
         finished = keys.job_finished(self.job_id)
-        if self.kv.add(keys.nodes_done(self.job_id), 1) >= self.args.nnodes:
+        if run.workers and self.kv.add(keys.ranks_done(self.job_id), len(run.workers)) >= (
+            self.world_size
+        ):
             self.ctx.put(finished, Flag("agent"))
         try:
             wait_until(lambda: self.ctx.get(finished, Flag), FINISH_TIMEOUT_S,
                        "every node's workers to succeed", interval_s=0.2)  # fmt: skip
-            wait_until(lambda: True if not any(s.alive() for s in spares) else None,
+            wait_until(lambda: True if not any(s.alive() for s in run.spares) else None,
                        SPARES_EXIT_S, "the spares to exit", interval_s=0.05)  # fmt: skip
         except StoreTimeout as err:
             log.warning("%s; stopping what is left", err)
         self.children.terminate(signal.SIGTERM)
+        self._leave(run)
         self.events.emit(JOB_ENDED, status=0, reason="all workers succeeded")
-        log.info(
-            "job %s finished: all %d worker(s) succeeded", self.job_id, self.args.nproc_per_node
-        )
+        log.info("job %s finished: %d worker(s) on node %d succeeded", self.job_id,
+                 len(run.workers), self.node)  # fmt: skip
         return 0
 
+    def _leave(self, run: Run) -> None:
+        """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent
+        still reads the store until it has seen the job finish)."""
+        left = self.kv.add(keys.agents_left(self.job_id), 1)
+        if self.node != 0 or self.node_count == 1:
+            return
+        expected = self.node_count - len(run.nodes.lost_nodes())
+        try:
+            wait_until(lambda: left >= expected or self.kv.add(keys.agents_left(self.job_id), 0)
+                       >= expected or None, AGENTS_LEAVE_S, "every agent to leave",
+                       interval_s=0.05)  # fmt: skip
+        except StoreTimeout as err:
+            log.warning("%s; closing the store anyway", err)
+
     def close(self) -> None:
+        if self.lease is not None:
+            self.lease.stop()
         self.children.close()
         self.events.close()

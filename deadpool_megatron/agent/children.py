@@ -31,6 +31,19 @@ from ..runtime import (
 log = logging.getLogger("deadpool.launch")
 
 TERMINATE_GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_agent() -> None:
+    """In the child, before exec: the kernel SIGKILLs it when the agent (its parent) dies,
+    however the agent dies, so no orphaned worker keeps ports, memory or a device."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_AGENT_DEATH = _die_with_the_agent if sys.platform.startswith("linux") else None
 
 
 @dataclass
@@ -114,6 +127,7 @@ class Children:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=_AGENT_DEATH,  # noqa: PLW1509 (a prctl only; the agent forks rarely)
         )
         child = Child(role, index, proc, ProgressBoard(board, writable=False))
         log.info("started %s (pid %d)", child.name, proc.pid)

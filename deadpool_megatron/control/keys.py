@@ -66,9 +66,10 @@ def injected(job: str, rank: int) -> str:
     return f"{_job(job)}/injected/{rank}"
 
 
-def nodes_done(job: str) -> str:
-    """How many nodes' workers have all succeeded (the last one sets job_finished)."""
-    return f"{_job(job)}/nodes_done"
+def ranks_done(job: str) -> str:
+    """How many ranks have succeeded, added per node once all of a node's workers have (the
+    agent that brings it to the world size sets job_finished)."""
+    return f"{_job(job)}/ranks_done"
 
 
 def spare_heartbeat(job: str, spare_id: str) -> str:
@@ -117,3 +118,37 @@ def fault_fired(job: str, fault: str) -> str:
     """An injected fault has fired: each fires once per job, not once per process (a spare
     replaying the failed rank's iteration must not fail again)."""
     return f"{_job(job)}/fault/{fault}"
+
+
+def launch_identity(launch: str) -> str:
+    """The job id agreed by the agents of one launch (`launch`: the store's address)."""
+    return f"{ROOT}/launch/{launch}/job"
+
+
+def agent(job: str, node: int) -> str:
+    """A node agent's lease (`AgentBeat`): what it hosts, renewed every heartbeat interval."""
+    return f"{_job(job)}/agent/{node}"
+
+
+def rank_lost(job: str, generation: int, rank: int) -> str:
+    """The hosting agent's word that `rank` will never report for the recovery into
+    `generation` (`RankLost`)."""
+    return f"{_job(job)}/gen/{generation}/lost/{rank}"
+
+
+def restart(scope: str, count: int) -> str:
+    """Checkpoint-restart number `count` of the job started as `scope` (`RestartOrder`);
+    created once, every agent follows it."""
+    return f"{_job(scope)}/restart/{count}"
+
+
+def node_lost(job: str, node: int) -> str:
+    """Set when a recovery counted `node` lost (its lease lapsed); an agent that finds its own
+    node here stops its processes: they no longer hold any rank."""
+    return f"{_job(job)}/node_lost/{node}"
+
+
+def agents_left(job: str) -> str:
+    """How many agents have seen the job finish (node 0's, which hosts the TCPStore, waits
+    for all of them before it closes the store)."""
+    return f"{_job(job)}/agents_left"

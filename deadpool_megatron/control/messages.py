@@ -200,6 +200,7 @@ class RecoveryOrder(Record):
 
     reason: str
     permanent: tuple[int, ...] = ()
+    by: int = 0  # the node whose agent coordinates the recovery
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "permanent", tuple(sorted(int(r) for r in self.permanent)))
@@ -309,3 +310,50 @@ class Recovered(Record):
     iteration: int
     bytes_moved: int
     groups_checked: int | None = None
+
+
+# -- nodes and their agents --------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobIdentity(Record):
+    """The job id every agent of a launch uses (agreed through the store: first writer wins)."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class AgentBeat(Record):
+    """A node agent's lease on its node: what it hosts, renewed every heartbeat interval.
+
+    Other agents declare the node lost when its beats stop (`seq` no longer moves); the ranks
+    and spares listed in its last beat are what the job loses with it."""
+
+    node: int
+    host: str
+    pid: int
+    seq: int
+    at: float  # wall time of this renewal (a lost node failed after its last one)
+    generation: int
+    ranks: tuple[int, ...] = ()
+    spares: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "spares", tuple(str(s) for s in self.spares))
+
+
+@dataclass(frozen=True)
+class RankLost(Record):
+    """During a recovery: the agent hosting a rank says it will never report (it exited, is
+    stopped, or stopped progressing), so the recovery's coordinator replaces it too."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class RestartOrder(Record):
+    """Checkpoint-restart number `count` of the job: every node's agent stops its processes
+    and starts them again under the job id `job`, loading the newest checkpoint."""
+
+    job: str
+    reason: str
+    count: int

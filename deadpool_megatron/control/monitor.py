@@ -271,6 +271,13 @@ class Monitor:
         """A transient failure of `rank` was acted on (it counts towards escalation)."""
         self.history = self.history.record(rank, at).prune(at, self.policy.window_s)
 
+    def set_ranks(self, ranks: list[int]) -> None:
+        """Watch these ranks from now on (a recovery moved ranks onto or off this node)."""
+        for rank in set(self.ranks) - set(ranks):
+            self.forget(rank)
+            self._reports.pop(rank, None)
+        self.ranks = sorted(ranks)
+
     def forget(self, rank: int) -> None:
         """Stop watching a rank (fenced or ended)."""
         self.detector.forget(rank)

@@ -81,8 +81,10 @@ class Coordinator:
         replicas: int,
         events: EventLog,
         clock: Callable[[], float] = time.time,
+        node: int = 0,
     ):
         self.ctx = ctx
+        self.node = node  # this agent's node, named in its orders
         self.job = ctx.job
         self.topology = topology
         self.replicas = replicas
@@ -95,7 +97,7 @@ class Coordinator:
     def order(self, permanent: set[int], reason: str, failed_at: float) -> Recovery:
         """Tell every process to stop and recover into the next generation."""
         generation = self.ctx.generation + 1
-        order = RecoveryOrder(reason, tuple(permanent))
+        order = RecoveryOrder(reason, tuple(permanent), self.node)
         if not self.ctx.create(keys.recovery_order(self.job, generation), order):
             raise OrderExists(f"a recovery into generation {generation} was already ordered")
         self.ctx.advance(generation)

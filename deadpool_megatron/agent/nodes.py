@@ -1,0 +1,150 @@
+"""Nodes watching nodes: each agent renews a lease on its node in the store (what it hosts, a
+sequence number moving every heartbeat interval), and reads every other agent's.
+
+A node whose lease stops moving for the node timeout is lost, with everything its last lease
+listed: that is how a whole node (agent and processes gone at once) is seen from the others,
+where no child exit or progress board can be. The lease comes from a thread of the agent, a
+light process that never holds the GIL for long, so a late lease is not the false accusation a
+training process's late heartbeat would be; and the node itself, if it was only cut off, stops
+its processes when it sees itself declared lost, so a node counted lost never comes back as a
+zombie holding ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..control import keys
+from ..control.context import JobContext
+from ..control.messages import AgentBeat, RankLost
+from ..failure.heartbeat import HeartbeatSender
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """What an agent hosts now: the generation it follows, its ranks and its idle spares."""
+
+    generation: int
+    ranks: tuple[int, ...]
+    spares: tuple[str, ...]
+
+
+class Lease:
+    """Renews this node's lease every `interval_s` from a thread; `hosted()` is read at each
+    renewal (it must be cheap and thread-safe: the agent hands a snapshot)."""
+
+    def __init__(self, ctx: JobContext, node: int, hosted: Callable[[], Hosted],
+                 interval_s: float):  # fmt: skip
+        self.ctx = ctx
+        self.node = node
+        self._hosted = hosted
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._sender = HeartbeatSender(self.renew, interval_s, name="deadpool-lease")
+
+    def renew(self, now: float = 0.0) -> None:
+        h = self._hosted()
+        with self._lock:
+            self._seq += 1
+            beat = AgentBeat(self.node, socket.gethostname(), os.getpid(), self._seq,
+                             time.time(), h.generation, h.ranks, h.spares)  # fmt: skip
+        self.ctx.put(keys.agent(self.ctx.job, self.node), beat)
+
+    def start(self) -> None:
+        self.renew()
+        self._sender.start()
+
+    def stop(self) -> None:
+        self._sender.stop()
+
+
+@dataclass
+class _Seen:
+    beat: AgentBeat
+    moved_at: float  # when this agent saw its sequence number move last
+
+
+class NodeWatch:
+    """Every other node's lease, as this agent sees it. `poll()` returns nodes newly lost;
+    a node is watched from its first lease on (one that never renewed is the start-up's
+    business, not a failure)."""
+
+    def __init__(
+        self,
+        ctx: JobContext,
+        me: int,
+        nodes: list[int],
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.ctx = ctx
+        self.me = me
+        self.nodes = [n for n in nodes if n != me]
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._seen: dict[int, _Seen] = {}
+        self._lost: dict[int, AgentBeat] = {}
+
+    def poll(self) -> list[AgentBeat]:
+        """Read every lease; the last lease of each node lost since the previous poll."""
+        now = self._clock()
+        newly = []
+        for node in self.nodes:
+            if node in self._lost:
+                continue
+            beat = self.ctx.get(keys.agent(self.ctx.job, node), AgentBeat)
+            seen = self._seen.get(node)
+            if beat is not None and (seen is None or beat.seq != seen.beat.seq):
+                self._seen[node] = _Seen(beat, now)
+            elif seen is not None and now - seen.moved_at > self.timeout_s:
+                self._lost[node] = seen.beat
+                newly.append(seen.beat)
+        return newly
+
+    def last(self, node: int) -> AgentBeat | None:
+        """The newest lease seen of `node` (its last one, if it is lost)."""
+        seen = self._seen.get(node)
+        return None if seen is None else seen.beat
+
+    def is_lost(self, node: int) -> bool:
+        return node in self._lost
+
+    def declare_lost(self, beat: AgentBeat) -> None:
+        """Another agent's recovery counted this node lost: stop watching it."""
+        self._lost.setdefault(beat.node, beat)
+
+    def host_of(self, rank: int) -> int | None:
+        """The node whose newest lease lists `rank` (None if none does)."""
+        for node, seen in self._seen.items():
+            if rank in seen.beat.ranks:
+                return node
+        return None
+
+    def busy(self) -> set[int]:
+        """Other live nodes that run ranks."""
+        return {n for n, s in self._seen.items() if s.beat.ranks and n not in self._lost}
+
+    def lost_nodes(self) -> set[int]:
+        return set(self._lost)
+
+    def node_of_spare(self, spare: str) -> int | None:
+        for node, seen in self._seen.items():
+            if spare in seen.beat.spares:
+                return node
+        return None
+
+    def lost_rank(self, rank: int, generation: int) -> str | None:
+        """For a recovery's coordinator: why a rank hosted elsewhere will never report (its
+        node is lost, or its agent said so), else None."""
+        lost = self.ctx.get(keys.rank_lost(self.ctx.job, generation, rank), RankLost)
+        if lost is not None:
+            return lost.reason
+        for node, beat in self._lost.items():
+            if rank in beat.ranks:
+                return f"node {node} (agent pid {beat.pid} on {beat.host}) is lost"
+        return None

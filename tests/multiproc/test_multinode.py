@@ -1,0 +1,156 @@
+"""Multi-node jobs: one agent per node, spare nodes, whole nodes lost and hot-swapped.
+
+The shape is DP6 on 3 worker nodes of 2 processes (ranks 2n, 2n+1 on node n) and one spare
+node of 2 spares: two DP peers share every node, so in naive DP order a rank's ring successor
+(its replica holder) would often sit on its own node; the node-aware ring puts it on the next
+node. Every job ends bitwise identical to the failure-free run of the same shape.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import psutil
+import pytest
+
+from deadpool_megatron.events import read_events
+from deadpool_megatron.metrics import read_metrics
+from etcd_server import free_port
+from jobs import ROOT, run_job
+from nodes import start_nodes, wait_for_iteration
+from slurm_cluster import start_cluster
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
+
+NPROC = 2
+SHAPE = ["--config", str(ROOT / "configs" / "demo.yaml"), "--tensor-model-parallel-size", "1",
+         "--pipeline-model-parallel-size", "1", "--global-batch-size", "12",
+         "--train-iters", "14", "--deadpool"]  # fmt: skip
+NODE_OF_RANK = {r: r // NPROC for r in range(6)}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    result = run_job(tmp_path_factory.mktemp("base_dp6"), 6, SHAPE, name="baseline")
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+def _named(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def _assert_node_swapped(events, node: int, spares: dict[int, str]):
+    lost = {e["node"] for e in _named(events, "node_lost")}
+    assert lost == {node}, events
+    (done,) = _named(events, "recovery_done")
+    assert done["replaced"] == {str(r): s for r, s in spares.items()}
+    assert done["replayed_iterations"] <= 1
+    return done
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"), 4)
+    yield cluster
+    cluster.stop()
+
+
+def _agent_of(job_id: str, node: int) -> psutil.Process | None:
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "deadpool_megatron.launch" in cmd and f"slurm-{job_id}" in cmd:
+            if cmd[cmd.index("--node-rank") + 1] == str(node):
+                return p
+    return None
+
+
+def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slurm, baseline):
+    run_dir = tmp_path / "run"
+    metrics = tmp_path / "metrics.jsonl"
+    log = tmp_path / "events.jsonl"
+    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="1", DEADPOOL_GPU="0",
+               PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
+               MASTER_PORT=str(free_port()))  # fmt: skip
+    submit = slurm.run(
+        "env", *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
+        "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", "--nodes=4",
+        f"--output={tmp_path}/batch.out", str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"),
+        *SHAPE, "--metrics-jsonl", str(metrics), "--deadpool-event-log", str(log),
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and 5 in read_metrics(str(metrics))[0]):
+        assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text()
+        time.sleep(0.05)
+    agent = _agent_of(job, 1)
+    assert agent is not None
+    # Node 1's task (the shell around its agent), the agent and every process on it, at once.
+    victims = [agent.parent(), agent, *agent.children(recursive=True)]
+    for p in victims:
+        p.kill()
+    state = slurm.wait_job(job, 300)
+    out = (tmp_path / "batch.out").read_text()
+    logs = "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))
+    assert state == "COMPLETED", out + logs[-6000:]
+    assert "node(s) 1 lost during the job; it finished on the others" in out
+    losses, final = read_metrics(str(metrics))
+    assert losses == baseline.losses  # every iteration, the re-executed one included
+    assert final["state_digest"] == baseline.digest
+    events = read_events(str(log))
+    done = _assert_node_swapped(events, 1, {2: "spare-6", 3: "spare-7"})
+    # The node-aware ring: ranks 2 and 3's optimizer shards came from node 2 (ranks 4, 5),
+    # where naive DP order would have put rank 2's only replica on rank 3, lost with it.
+    assert re.search(r"replica 4->2, parameters \d->3, replica 5->3", logs), logs[-4000:]
+    assert done["total_s"] > 0
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in victims)
+
+
+def test_worker_killed_on_a_live_node_takes_the_local_spare(tmp_path, baseline):
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@3:6"]
+    nodes = start_nodes(tmp_path, 3, 1, NPROC, args, spares=1)
+    try:
+        rcs = nodes.wait(400)
+    finally:
+        nodes.stop()
+    assert rcs == [0, 0, 0, 0], nodes.all_output()[-6000:]
+    result = nodes.result()
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    events = read_events(str(log))
+    (done,) = _named(events, "recovery_done")
+    # Node 1's own spare (index 1 x 2 slots + 0 = spare-2) takes rank 3: the spare node stays
+    # whole in the pool.
+    assert done["replaced"] == {"3": "spare-2"}
+    assert _named(events, "node_lost") == []
+    assert "spare 6: job finished, exiting" in nodes.output(3)
+    assert "spare 7: job finished, exiting" in nodes.output(3)
+
+
+def test_agent_killed_alone_takes_its_processes_and_its_node_is_swapped(tmp_path, baseline):
+    log = tmp_path / "events.jsonl"
+    nodes = start_nodes(tmp_path, 3, 1, NPROC, [*SHAPE, "--deadpool-event-log", str(log)])
+    try:
+        wait_for_iteration(nodes, 5, 300)
+        children = nodes.kill_agent(2)
+        killed_at = time.time()
+        gone_after = None
+        while time.time() - killed_at < 10:
+            if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                       for p in children):  # fmt: skip
+                gone_after = time.time() - killed_at
+                break
+            time.sleep(0.01)
+        rcs = nodes.wait(400)
+    finally:
+        nodes.stop()
+    assert gone_after is not None and gone_after < 2.0, gone_after  # the heartbeat timeout
+    assert rcs[:2] + rcs[3:] == [0, 0, 0], nodes.all_output()[-6000:]
+    result = nodes.result()
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    _assert_node_swapped(read_events(str(log)), 2, {4: "spare-6", 5: "spare-7"})
+    assert os.path.exists(nodes.metrics)
