@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from etcd_server import free_port
 
 from deadpool_megatron.metrics import read_metrics
-from etcd_server import free_port
 from jobs import ROOT, JobResult
 
 

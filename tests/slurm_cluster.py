@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from etcd_server import free_port
 
 START_TIMEOUT_S = 60
@@ -76,7 +75,14 @@ class SlurmCluster:
         state = "UNKNOWN"
         while time.monotonic() < deadline:
             state = self.job_state(job_id)
-            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            if state in (
+                "COMPLETED",
+                "FAILED",
+                "CANCELLED",
+                "TIMEOUT",
+                "NODE_FAIL",
+                "OUT_OF_MEMORY",
+            ):
                 return state
             time.sleep(0.5)
         self.run("scancel", job_id)

@@ -17,7 +17,7 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple
 
 from ..control import keys, messages
 from ..control.chaos import Chaos
@@ -30,8 +30,6 @@ from ..control.messages import (
     JobIdentity,
     Member,
     Membership,
-    PlanDecision,
-    RankLost,
     RecoveryOrder,
     Registration,
     RestartOrder,
@@ -44,7 +42,6 @@ from ..control.wait import wait_until
 from ..errors import ConfigError
 from ..events import (
     FAILURE_DETECTED,
-    FENCED,
     JOB_ENDED,
     JOB_RESTART,
     NODE_LOST,
@@ -55,43 +52,24 @@ from ..events import (
 from ..failure.classify import describe
 from ..failure.evidence import ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
-from ..recovery.coordinator import Coordinator, OrderExists
-from ..recovery.placement import order_spares
-from ..recovery.plan import Unrecoverable
+from ..recovery.coordinator import Coordinator
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
 from .decide import Action, respond
+from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
 from .nodes import Hosted, Lease, NodeWatch
 from .settings import LaunchSettings
 
 log = logging.getLogger("deadpool.launch")
 
-RECOVERY_TIMEOUT_S = 300.0
 RESTART = -1  # watch() asks its caller to watch the restarted job
 POLL_S = 0.02
 STORE_LOOK_S = 0.1  # other nodes' leases, orders and restarts: store reads, not every poll
-FOLLOW_POLL_S = 0.02
 MEMBERSHIP_POLL_S = 0.25  # looking for every rank's registration: store reads, not every poll
 FINISH_TIMEOUT_S = 600.0  # for every node's workers to succeed
 SPARES_EXIT_S = 10.0
 AGENTS_LEAVE_S = 30.0
-
-
-@dataclass
-class Run:
-    """One start of the job on this node (a checkpoint-restart begins a new one): its local
-    processes and the watchers over them."""
-
-    workers: dict[int, Child]  # rank -> the local process holding it
-    spares: list[Child]  # local idle spares
-    monitor: Monitor
-    coordinator: Coordinator
-    chaos: Chaos
-    nodes: NodeWatch
-    up: bool = False  # generation 0's membership is recorded
-    replaced_in: dict[int, int] = field(default_factory=dict)  # rank -> generation it moved in
-    lost_nodes: list[AgentBeat] = field(default_factory=list)  # seen during a recovery, to act on
 
 
 class Agent:
@@ -115,6 +93,7 @@ class Agent:
         self.kv = None
         self.ctx: JobContext | None = None  # the job's standing; a restart starts a new one
         self.lease: Lease | None = None
+        self.swap: HotSwap | None = None  # this start's hot-swaps (watch() makes it)
         self._hosted = Hosted(0, (), ())  # what the lease says this node hosts (a snapshot)
         self._stop_signal: int | None = None
         p = settings.protection
@@ -254,9 +233,15 @@ class Agent:
                           p.deadpool_node_timeout)  # fmt: skip
         return Run(workers, spares, monitor, coordinator, chaos, nodes, up=not p.deadpool)
 
+    def _stop(self, stop: Stop | None) -> int | None:
+        if stop is None:
+            return None
+        return self.restart(stop.reason) if stop.restart else self._end(stop.reason)
+
     def watch(self) -> int:
         """Watch the job until it ends (exit status) or restarts (RESTART)."""
         run = self._new_run()
+        self.swap = HotSwap(self.ctx, self.node, run, self.events, self.settings.on_unrecoverable)
         try:
             return self._watch(run)
         except StoreUnreachable as err:
@@ -324,7 +309,7 @@ class Agent:
                 return rc
         generation = self.ctx.generation + 1
         if self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder) is not None:
-            return self._follow(run, generation)
+            return self._stop(self.swap.follow(generation))
         return None
 
     def _act(self, detection: Detection, run: Run) -> int | None:
@@ -334,7 +319,7 @@ class Agent:
         fence_s = 0.0
         if response.fence:
             t = time.time()
-            self._fence(run, c.rank, describe(c.evidence))
+            self.swap.fence(c.rank, describe(c.evidence))
             fence_s = time.time() - t
         self._log_detection(detection, run.monitor.iteration)
         if response.action is Action.RESTART:
@@ -353,7 +338,7 @@ class Agent:
         permanent = {c.rank} if response.replace else set()
         failed_at = detection.injected_at or c.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
-        return self.hot_swap(run, permanent, c.reason, failed_at, phases)
+        return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases))
 
     def _node_lost(self, beat: AgentBeat, run: Run) -> int | None:
         """Another node's lease lapsed: its agent and processes are gone (or cut off, and
@@ -384,7 +369,7 @@ class Agent:
             )
             return self._end(f"loss of {what}")
         phases = {"detect": time.time() - beat.at}
-        return self.hot_swap(run, set(ranks), f"{what} lost", beat.at, phases)
+        return self._stop(self.swap.recover(set(ranks), f"{what} lost", beat.at, phases))
 
     def _on_suspect(self, rank: int, reason: str) -> None:
         """A late heartbeat from a process that is still progressing: say so, never fence."""
@@ -438,17 +423,6 @@ class Agent:
         log.info("generation 0: %d ranks and %d spare(s) recorded", len(ranks), len(ids))
         return True
 
-    def _fence(self, run: Run, rank: int, reason: str) -> None:
-        """Kill a process that must not come back (hung, or unfit) before anything is rebuilt:
-        a hung gloo collective cannot be aborted, its peers fail once it is gone."""
-        child = run.workers[rank]
-        if child.alive():
-            child.kill()
-            child.proc.wait()
-            self.events.emit(FENCED, rank=rank, pid=child.proc.pid, reason=reason)
-            log.warning("fenced rank %d (pid %d): %s", rank, child.proc.pid, reason)
-        run.monitor.forget(rank)
-
     def _log_detection(self, detection: Detection, iteration: int) -> None:
         c = detection.classification
         latency = detection.latency_s
@@ -463,133 +437,6 @@ class Agent:
         )  # fmt: skip
 
     # -- hot-swap ---------------------------------------------------------------------------
-    def hot_swap(
-        self, run: Run, permanent: set[int], reason: str, failed_at: float,
-        phases: dict[str, float],
-    ) -> int | None:  # fmt: skip
-        """Recover without restarting the job: order every process to stop, plan from what
-        they hold, seat spares, publish the new generation. The first agent to order the
-        recovery coordinates it; an agent that finds one ordered already joins it. Returns an
-        exit status only when the job cannot go on."""
-        coordinator = run.coordinator
-        try:
-            rec = coordinator.order(permanent, reason, failed_at)
-        except OrderExists:
-            generation = self.ctx.generation + 1
-            log.info("a recovery into generation %d is already ordered; rank(s) %s join it",
-                     generation, sorted(permanent))  # fmt: skip
-            for rank in permanent:
-                self.ctx.put(keys.rank_lost(self.job_id, generation, rank), RankLost(reason))
-            return self._follow(run, generation)
-        rec.phases.update(phases)
-        held = coordinator.gather(
-            rec,
-            lost=lambda r: self._rank_lost(run, r, rec.generation),
-            on_lost=lambda r, why: (
-                r in run.workers and self._fence(run, r, f"lost during the recovery: {why}")
-            ),
-        )
-        try:
-            plan = coordinator.decide(rec, held, self._free_spares(run, rec.permanent))
-        except Unrecoverable as err:
-            lost = sorted(rec.permanent) or ["?"]
-            if self.settings.on_unrecoverable == "checkpoint-restart":
-                log.error("cannot hot-swap the failure of rank(s) %s: %s; falling back to the "
-                          "persistent checkpoint", lost, err)  # fmt: skip
-                return self.restart(f"unrecoverable in memory: {err}")
-            log.error("cannot recover from the failure of rank(s) %s: %s; ending the job",
-                      lost, err)  # fmt: skip
-            return self._end(f"unrecoverable: {err}")
-        self._adopt(run, plan)
-        return None
-
-    def _rank_lost(self, run: Run, rank: int, generation: int) -> str | None:
-        if rank in run.workers:
-            return run.monitor.lost(rank)
-        return run.nodes.lost_rank(rank, generation)
-
-    def _free_spares(self, run: Run, failed: set[int]) -> list[str]:
-        """The spares free to take over, in the order the plan should use them (by node)."""
-        current = MembershipStore(self.kv, self.job_id).current()
-        local = {spare_id(c.index): c for c in run.spares}
-        free: dict[str, int | None] = {}
-        for sid in current.spares:
-            if sid in local:
-                if local[sid].alive():
-                    free[sid] = self.node
-                continue
-            node = run.nodes.node_of_spare(sid)
-            if node is None or run.nodes.is_lost(node):
-                continue
-            if self.kv.get(keys.spare(self.job_id, sid)) is not None:
-                free[sid] = node
-        where = {r: self.node if r in run.workers else run.nodes.host_of(r) for r in failed}
-        busy = run.nodes.busy() | ({self.node} if run.workers else set())
-        return order_spares(where, free, run.nodes.lost_nodes(), busy)
-
-    def _follow(self, run: Run, generation: int) -> int | None:
-        """Take part in a recovery another agent coordinates: say which local ranks will
-        never report, then take the plan's word on which local processes hold which rank. If
-        the coordinator's node is lost before it publishes a plan, recover again, from here."""
-        order = self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder)
-        self.ctx.advance(generation)
-        log.info("following the recovery into generation %d (coordinated by node %d): %s",
-                 generation, order.by, order.reason)  # fmt: skip
-        told: set[int] = set()
-
-        def poll():
-            if self.ctx.get(keys.recovery_order(self.job_id, generation + 1), RecoveryOrder):
-                return "superseded"
-            decision = self.ctx.get(keys.recovery_plan(self.job_id, generation), PlanDecision)
-            if decision is not None:
-                return decision
-            for rank in sorted(set(run.workers) - told):
-                why = "failed" if rank in order.permanent else run.monitor.lost(rank)
-                if why is not None:
-                    told.add(rank)
-                    self._fence(run, rank, f"lost during the recovery: {why}")
-                    self.ctx.put(keys.rank_lost(self.job_id, generation, rank), RankLost(why))
-            run.lost_nodes.extend(run.nodes.poll())  # acted on once this recovery is through
-            if order.by != self.node and run.nodes.is_lost(order.by):
-                return "coordinator lost"
-            return None
-
-        got = wait_until(poll, RECOVERY_TIMEOUT_S, f"the plan of generation {generation}",
-                         interval_s=FOLLOW_POLL_S)  # fmt: skip
-        if got == "superseded":
-            return self._follow(run, generation + 1)
-        if got == "coordinator lost":
-            # Its loss is queued: the first agent to count it orders the next generation,
-            # whose gather finds the ranks this one had lost gone as well.
-            log.error("node %d, coordinating the recovery into generation %d, is lost",
-                      order.by, generation)  # fmt: skip
-            return None
-        if got.unrecoverable is not None:
-            if self.settings.on_unrecoverable == "checkpoint-restart":
-                return None  # the coordinator orders the restart; the next look joins it
-            log.error("the recovery into generation %d is impossible: %s; ending",
-                      generation, got.unrecoverable)  # fmt: skip
-            return self._end(f"unrecoverable: {got.unrecoverable}")
-        self._adopt(run, got.plan)
-        return None
-
-    def _adopt(self, run: Run, plan) -> None:
-        """The plan's word on this node: claimed local spares now hold ranks; local ranks it
-        gave to spares elsewhere are no longer this node's."""
-        for rank, sid in sorted(plan.replaced.items()):
-            run.replaced_in[rank] = plan.generation
-            old = run.workers.pop(rank, None)
-            if old is not None and old.alive():
-                old.kill()  # a replaced process must not live on beside its successor
-            spare = next((s for s in run.spares if spare_id(s.index) == sid), None)
-            if spare is not None:
-                run.spares.remove(spare)
-                run.workers[rank] = spare
-                log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid,
-                         rank)  # fmt: skip
-        run.monitor.set_ranks(sorted(run.workers))
-
-    # -- ending -----------------------------------------------------------------------------
     def restart(self, reason: str) -> int:
         """Checkpoint-restart, decided here: recorded in the store so every node's agent
         takes part in the same one (first writer wins), then carried out."""

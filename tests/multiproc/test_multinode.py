@@ -15,13 +15,13 @@ import time
 
 import psutil
 import pytest
+from etcd_server import free_port
+from nodes import start_nodes, wait_for_iteration
+from slurm_cluster import start_cluster
 
 from deadpool_megatron.events import read_events
 from deadpool_megatron.metrics import read_metrics
-from etcd_server import free_port
 from jobs import ROOT, run_job
-from nodes import start_nodes, wait_for_iteration
-from slurm_cluster import start_cluster
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -62,9 +62,9 @@ def slurm(tmp_path_factory):
 def _agent_of(job_id: str, node: int) -> psutil.Process | None:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "deadpool_megatron.launch" in cmd and f"slurm-{job_id}" in cmd:
-            if cmd[cmd.index("--node-rank") + 1] == str(node):
-                return p
+        ours = "deadpool_megatron.launch" in cmd and f"slurm-{job_id}" in cmd
+        if ours and cmd[cmd.index("--node-rank") + 1] == str(node):
+            return p
     return None
 
 

@@ -1,0 +1,220 @@
+"""The agent's part in a hot-swap, on any node: coordinate a recovery (the first agent to
+write a generation's order), or follow one another agent coordinates, and adopt the plan's
+word on which local process holds which rank.
+
+No node is special: the coordinator gathers every live rank's holdings from the store, asks
+each rank's own agent (through the store) whether a rank that has not reported ever will, and
+places spares by node (recovery/placement.py). A follower reports its own lost ranks, fences
+only its own processes, and takes over the recovery (through the next generation) if the
+coordinator's node is lost before it publishes a plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from ..control import keys
+from ..control.chaos import Chaos
+from ..control.context import JobContext
+from ..control.membership import MembershipStore
+from ..control.messages import (
+    AgentBeat,
+    PlanDecision,
+    RankLost,
+    RecoveryOrder,
+    RecoveryPlan,
+    spare_id,
+)
+from ..control.monitor import Monitor
+from ..control.wait import wait_until
+from ..events import FENCED, EventLog
+from ..recovery.coordinator import Coordinator, OrderExists
+from ..recovery.placement import order_spares
+from ..recovery.plan import Unrecoverable
+from .children import Child
+from .nodes import NodeWatch
+
+log = logging.getLogger("deadpool.launch")
+
+RECOVERY_TIMEOUT_S = 300.0
+FOLLOW_POLL_S = 0.02
+
+
+@dataclass
+class Run:
+    """One start of the job on this node (a checkpoint-restart begins a new one): its local
+    processes and the watchers over them."""
+
+    workers: dict[int, Child]  # rank -> the local process holding it
+    spares: list[Child]  # local idle spares
+    monitor: Monitor
+    coordinator: Coordinator
+    chaos: Chaos
+    nodes: NodeWatch
+    up: bool = False  # generation 0's membership is recorded
+    replaced_in: dict[int, int] = field(default_factory=dict)  # rank -> generation it moved in
+    lost_nodes: list[AgentBeat] = field(default_factory=list)  # seen during a recovery, to act on
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The job cannot go on in memory: restart it from its checkpoint, or end it."""
+
+    restart: bool
+    reason: str
+
+
+class HotSwap:
+    def __init__(self, ctx: JobContext, node: int, run: Run, events: EventLog,
+                 on_unrecoverable: str):  # fmt: skip
+        self.ctx = ctx
+        self.kv = ctx.kv
+        self.node = node
+        self.run = run
+        self.coordinator = run.coordinator
+        self.events = events
+        self.on_unrecoverable = on_unrecoverable
+
+    def fence(self, rank: int, reason: str) -> None:
+        """Kill a process that must not come back (hung, or unfit) before anything is rebuilt:
+        a hung gloo collective cannot be aborted, its peers fail once it is gone."""
+        child = self.run.workers[rank]
+        if child.alive():
+            child.kill()
+            child.proc.wait()
+            self.events.emit(FENCED, rank=rank, pid=child.proc.pid, reason=reason)
+            log.warning("fenced rank %d (pid %d): %s", rank, child.proc.pid, reason)
+        self.run.monitor.forget(rank)
+
+    def recover(
+        self, permanent: set[int], reason: str, failed_at: float,
+        phases: dict[str, float],
+    ) -> Stop | None:  # fmt: skip
+        """Recover without restarting the job: order every process to stop, plan from what
+        they hold, seat spares, publish the new generation. The first agent to order the
+        recovery coordinates it; an agent that finds one ordered already joins it. Returns an
+        exit status only when the job cannot go on."""
+        coordinator = self.coordinator
+        try:
+            rec = coordinator.order(permanent, reason, failed_at)
+        except OrderExists:
+            generation = self.ctx.generation + 1
+            log.info("a recovery into generation %d is already ordered; rank(s) %s join it",
+                     generation, sorted(permanent))  # fmt: skip
+            for rank in permanent:
+                self.ctx.put(keys.rank_lost(self.ctx.job, generation, rank), RankLost(reason))
+            return self.follow(generation)
+        rec.phases.update(phases)
+        held = coordinator.gather(
+            rec,
+            lost=lambda r: self._rank_lost(r, rec.generation),
+            on_lost=lambda r, why: (
+                r in self.run.workers and self.fence(r, f"lost during the recovery: {why}")
+            ),
+        )
+        try:
+            plan = coordinator.decide(rec, held, self._free_spares(rec.permanent))
+        except Unrecoverable as err:
+            lost = sorted(rec.permanent) or ["?"]
+            if self.on_unrecoverable == "checkpoint-restart":
+                log.error("cannot hot-swap the failure of rank(s) %s: %s; falling back to the "
+                          "persistent checkpoint", lost, err)  # fmt: skip
+                return Stop(True, f"unrecoverable in memory: {err}")
+            log.error("cannot recover from the failure of rank(s) %s: %s; ending the job",
+                      lost, err)  # fmt: skip
+            return Stop(False, f"unrecoverable: {err}")
+        self.adopt(plan)
+        return None
+
+    def _rank_lost(self, rank: int, generation: int) -> str | None:
+        if rank in self.run.workers:
+            return self.run.monitor.lost(rank)
+        return self.run.nodes.lost_rank(rank, generation)
+
+    def _free_spares(self, failed: set[int]) -> list[str]:
+        """The spares free to take over, in the order the plan should use them (by node)."""
+        current = MembershipStore(self.kv, self.ctx.job).current()
+        local = {spare_id(c.index): c for c in self.run.spares}
+        free: dict[str, int | None] = {}
+        for sid in current.spares:
+            if sid in local:
+                if local[sid].alive():
+                    free[sid] = self.node
+                continue
+            node = self.run.nodes.node_of_spare(sid)
+            if node is None or self.run.nodes.is_lost(node):
+                continue
+            if self.kv.get(keys.spare(self.ctx.job, sid)) is not None:
+                free[sid] = node
+        where = {
+            r: self.node if r in self.run.workers else self.run.nodes.host_of(r) for r in failed
+        }
+        busy = self.run.nodes.busy() | ({self.node} if self.run.workers else set())
+        return order_spares(where, free, self.run.nodes.lost_nodes(), busy)
+
+    def follow(self, generation: int) -> Stop | None:
+        """Take part in a recovery another agent coordinates: say which local ranks will
+        never report, then take the plan's word on which local processes hold which rank. If
+        the coordinator's node is lost before it publishes a plan, recover again, from here."""
+        order = self.ctx.get(keys.recovery_order(self.ctx.job, generation), RecoveryOrder)
+        self.ctx.advance(generation)
+        log.info("following the recovery into generation %d (coordinated by node %d): %s",
+                 generation, order.by, order.reason)  # fmt: skip
+        told: set[int] = set()
+
+        def poll():
+            if self.ctx.get(keys.recovery_order(self.ctx.job, generation + 1), RecoveryOrder):
+                return "superseded"
+            decision = self.ctx.get(keys.recovery_plan(self.ctx.job, generation), PlanDecision)
+            if decision is not None:
+                return decision
+            for rank in sorted(set(self.run.workers) - told):
+                why = "failed" if rank in order.permanent else self.run.monitor.lost(rank)
+                if why is not None:
+                    told.add(rank)
+                    self.fence(rank, f"lost during the recovery: {why}")
+                    self.ctx.put(keys.rank_lost(self.ctx.job, generation, rank), RankLost(why))
+            self.run.lost_nodes.extend(
+                self.run.nodes.poll()
+            )  # acted on once this recovery is through
+            if order.by != self.node and self.run.nodes.is_lost(order.by):
+                return "coordinator lost"
+            return None
+
+        got = wait_until(poll, RECOVERY_TIMEOUT_S, f"the plan of generation {generation}",
+                         interval_s=FOLLOW_POLL_S)  # fmt: skip
+        if got == "superseded":
+            return self.follow(generation + 1)
+        if got == "coordinator lost":
+            # Its loss is queued: the first agent to count it orders the next generation,
+            # whose gather finds the ranks this one had lost gone as well.
+            log.error("node %d, coordinating the recovery into generation %d, is lost",
+                      order.by, generation)  # fmt: skip
+            return None
+        if got.unrecoverable is not None:
+            if self.on_unrecoverable == "checkpoint-restart":
+                return None  # the coordinator orders the restart; the next look joins it
+            log.error("the recovery into generation %d is impossible: %s; ending",
+                      generation, got.unrecoverable)  # fmt: skip
+            return Stop(False, f"unrecoverable: {got.unrecoverable}")
+        self.adopt(got.plan)
+        return None
+
+    def adopt(self, plan: RecoveryPlan) -> None:
+        """The plan's word on this node: claimed local spares now hold ranks; local ranks it
+        gave to spares elsewhere are no longer this node's."""
+        for rank, sid in sorted(plan.replaced.items()):
+            self.run.replaced_in[rank] = plan.generation
+            old = self.run.workers.pop(rank, None)
+            if old is not None and old.alive():
+                old.kill()  # a replaced process must not live on beside its successor
+            spare = next((s for s in self.run.spares if spare_id(s.index) == sid), None)
+            if spare is not None:
+                self.run.spares.remove(spare)
+                self.run.workers[rank] = spare
+                log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid,
+                         rank)  # fmt: skip
+        self.run.monitor.set_ranks(sorted(self.run.workers))
+
+    # -- ending -----------------------------------------------------------------------------

@@ -1,0 +1,74 @@
+"""Node leases on a real in-process TCPStore with a fake clock: a node is lost only once its
+lease stops moving for the node timeout, never before its first lease; what it hosted is
+named; the hosting agent's word on a rank reaches a coordinator on another node."""
+
+from deadpool_megatron.agent.nodes import Hosted, Lease, NodeWatch
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.context import JobContext
+from deadpool_megatron.control.messages import AgentBeat, RankLost
+
+JOB = "nodes-test"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _lease(ctx, node, ranks=(), spares=(), generation=0):
+    return Lease(ctx, node, lambda: Hosted(generation, tuple(ranks), tuple(spares)), 0.5)
+
+
+def test_a_node_is_lost_once_its_lease_stops_moving_for_the_timeout(kv):
+    ctx = JobContext(kv, JOB)
+    clock = Clock()
+    watch = NodeWatch(ctx, 0, [0, 1, 2], timeout_s=2.0, clock=clock)
+    one, two = _lease(ctx, 1, ranks=(2, 3)), _lease(ctx, 2, spares=("spare-4",))
+    one.renew()
+    assert watch.poll() == []  # node 2 never renewed: not watched yet, not lost
+    two.renew()
+    for _ in range(5):  # both renew every 0.5 s: nothing is lost however long it runs
+        clock.t += 0.5
+        one.renew()
+        two.renew()
+        assert watch.poll() == []
+    clock.t += 1.0
+    two.renew()  # node 1 stops renewing
+    assert watch.poll() == []
+    clock.t += 1.0  # exactly the timeout since node 1's last move: still fresh
+    two.renew()
+    assert watch.poll() == []
+    clock.t += 0.01
+    (lost,) = watch.poll()
+    assert (lost.node, lost.ranks, lost.spares) == (1, (2, 3), ())
+    assert watch.is_lost(1) and not watch.is_lost(2)
+    assert watch.poll() == []  # reported once
+    assert watch.lost_rank(3, 1) == f"node 1 (agent pid {lost.pid} on {lost.host}) is lost"
+    assert watch.lost_rank(4, 1) is None
+    assert watch.busy() == set()  # node 2 hosts no ranks, node 1 is lost
+    assert watch.node_of_spare("spare-4") == 2 and watch.host_of(2) == 1
+
+
+def test_a_lease_carries_what_the_agent_hosts_now_and_moves_every_renewal(kv):
+    ctx = JobContext(kv, JOB)
+    hosted = [Hosted(0, (0, 1), ("spare-0",))]
+    lease = Lease(ctx, 3, lambda: hosted[-1], 0.5)
+    lease.renew()
+    first = ctx.get(keys.agent(JOB, 3), AgentBeat)
+    hosted.append(Hosted(1, (0, 1, 5), ()))
+    lease.renew()
+    second = ctx.get(keys.agent(JOB, 3), AgentBeat)
+    assert (first.generation, first.ranks, first.spares) == (0, (0, 1), ("spare-0",))
+    assert (second.generation, second.ranks, second.spares, second.seq) == (1, (0, 1, 5), (), 2)
+
+
+def test_the_hosting_agents_word_on_a_rank_reaches_the_coordinator(kv):
+    ctx = JobContext(kv, JOB)
+    watch = NodeWatch(ctx, 0, [0, 1], timeout_s=2.0, clock=Clock())
+    assert watch.lost_rank(3, 4) is None
+    ctx.put(keys.rank_lost(JOB, 4, 3), RankLost("exited with SIGKILL"))
+    assert watch.lost_rank(3, 4) == "exited with SIGKILL"
+    assert watch.lost_rank(3, 5) is None  # another generation's recovery

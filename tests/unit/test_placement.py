@@ -1,0 +1,54 @@
+"""Spare placement by node, as a table: a lost node's ranks move together onto one node with
+room for all of them, preferring an idle spare node; a single failure on a live node takes a
+local spare first, then a spare on a node that already runs ranks, spare nodes last."""
+
+import pytest
+
+from deadpool_megatron.recovery.placement import order_spares
+
+# Worker nodes 0, 1, 2 (ranks 2n, 2n+1), one local spare each (spare-0, spare-2, spare-4);
+# spare node 3 with spare-6 and spare-7.
+SPARES = {"spare-0": 0, "spare-2": 1, "spare-4": 2, "spare-6": 3, "spare-7": 3}
+BUSY = {0, 1, 2}
+
+
+def seat(failed, spares=SPARES, lost=frozenset(), busy=BUSY):
+    order = order_spares(failed, spares, set(lost), set(busy))
+    return dict(zip(sorted(failed), order))
+
+
+@pytest.mark.parametrize(
+    ("failed", "lost", "expected"),
+    [
+        # A whole node: both ranks onto the spare node, together.
+        ({2: 1, 3: 1}, {1}, {2: "spare-6", 3: "spare-7"}),
+        # One process on a live node: its own node's spare.
+        ({3: 1}, set(), {3: "spare-2"}),
+        # Two processes on one live node with one local spare: the local one, then a spare on
+        # a busy node rather than breaking into the spare node.
+        ({2: 1, 3: 1}, set(), {2: "spare-2", 3: "spare-0"}),
+        # Processes on two live nodes: each takes its own node's spare.
+        ({1: 0, 5: 2}, set(), {1: "spare-0", 5: "spare-4"}),
+        # Rank of unknown node: any busy node's spare first.
+        ({4: None}, set(), {4: "spare-0"}),
+    ],
+)
+def test_seating(failed, lost, expected):
+    assert seat(failed, lost=lost) == expected
+
+
+def test_a_lost_nodes_spares_are_not_free():
+    spares = dict(SPARES, **{"spare-8": 4, "spare-9": 4})
+    assert seat({0: 0, 1: 0}, spares, lost={0, 3}) == {0: "spare-8", 1: "spare-9"}
+    order = order_spares({0: 0}, spares, {0, 3}, BUSY)
+    assert "spare-0" not in order and "spare-6" not in order
+
+
+def test_without_a_node_with_room_for_all_the_lost_ranks_the_spare_node_goes_first():
+    spares = {"spare-0": 0, "spare-2": 1, "spare-6": 3}
+    assert seat({4: 2, 5: 2}, spares, lost={2}) == {4: "spare-6", 5: "spare-0"}
+
+
+def test_every_free_spare_is_listed_once_after_the_seated_ones():
+    order = order_spares({3: 1}, SPARES, set(), BUSY)
+    assert order[0] == "spare-2" and sorted(order) == sorted(SPARES)
