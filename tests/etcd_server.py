@@ -5,6 +5,9 @@ import os
 import shutil
 import socket
 import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +37,65 @@ def etcd_binary() -> str:
     if found is None:
         pytest.skip(f"`apt-get install -y etcd-server` failed: {(done.stderr or '')[-500:]}")
     return found
+
+
+@dataclass
+class EtcdCluster:
+    """A real etcd cluster of several members on loopback."""
+
+    urls: list[str]
+    procs: list[subprocess.Popen]
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(self.urls)
+
+    def kill(self, member: int) -> None:
+        self.procs[member].kill()
+        self.procs[member].wait(timeout=5)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+def start_etcd_cluster(root: Path, members: int = 3, timeout_s: float = 30) -> EtcdCluster:
+    from deadpool_megatron.control.etcd_store import EtcdKVStore
+    from deadpool_megatron.control.store import StoreUnreachable
+
+    binary = etcd_binary()
+    names = [f"m{i}" for i in range(members)]
+    clients = [f"http://127.0.0.1:{free_port()}" for _ in names]
+    peers = [f"http://127.0.0.1:{free_port()}" for _ in names]
+    initial = ",".join(f"{n}={p}" for n, p in zip(names, peers))
+    procs = []
+    for name, client, peer in zip(names, clients, peers):
+        log = open(root / f"etcd-{name}.log", "wb")  # noqa: SIM115 (lives with the process)
+        procs.append(subprocess.Popen(
+            [binary, "--name", name, "--data-dir", str(root / f"etcd-{name}"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", initial, "--initial-cluster-state", "new"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        ))  # fmt: skip
+    cluster = EtcdCluster(clients, procs)
+    deadline = time.monotonic() + timeout_s
+    for url in clients:  # every member answers (a write needs the quorum)
+        probe = EtcdKVStore(url, timeout_s=1.0)
+        while True:
+            try:
+                probe.set("deadpool/probe", b"1")
+                break
+            except StoreUnreachable:
+                if time.monotonic() > deadline:
+                    cluster.stop()
+                    raise RuntimeError(f"the etcd cluster {clients} did not start") from None
+                time.sleep(0.1)
+    return cluster

@@ -103,22 +103,24 @@ class Agent:
 
     # -- start-up ---------------------------------------------------------------------------
     def host_store(self) -> None:
-        """The job's TCPStore, in this process so it outlives every worker (node 0 hosts it,
-        the other nodes' agents connect to it), and the job id every agent uses."""
-        import torch.distributed as dist
-
-        self.store = dist.TCPStore(
-            self.args.master_addr,
-            self.port,
-            is_master=self.node == 0,
-            timeout=datetime.timedelta(seconds=300),
-            wait_for_workers=False,
-        )
-        self.port = self.store.port
+        """The job's store and the job id every agent uses. With --deadpool-store etcd, etcd
+        holds everything (control records and the process groups' rendezvous) and no agent
+        hosts anything; otherwise node 0's agent hosts a TCPStore, in this process so it
+        outlives every worker, and the other nodes' agents connect to it."""
         p = self.settings.protection
         if p.deadpool_store == "etcd":
             self.kv = control_store("etcd", p.deadpool_etcd_endpoints, "", 0)
         else:
+            import torch.distributed as dist
+
+            self.store = dist.TCPStore(
+                self.args.master_addr,
+                self.port,
+                is_master=self.node == 0,
+                timeout=datetime.timedelta(seconds=300),
+                wait_for_workers=False,
+            )
+            self.port = self.store.port
             self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
         if not self.job_id:
             self.job_id = self._agree_job_id()
@@ -187,15 +189,17 @@ class Agent:
         p = self.settings.protection
         if self.node_count == 1:
             return
-        log.info(
-            "the job's TCPStore runs in node 0's agent (%s:%d)%s", self.args.master_addr,
-            self.port,
-            ": the control records live in etcd, but every generation's process groups still "
-            "meet in this TCPStore, so losing node 0 ends the job"
-            if p.deadpool_store == "etcd" else
-            ": if node 0 is lost, every other agent stops its processes and the job ends "
-            "(resubmit it with --load to resume from the newest checkpoint under --save)",
-        )  # fmt: skip
+        if p.deadpool_store == "etcd":
+            log.info("the job's state is in etcd (%s): control records and every generation's "
+                     "process-group rendezvous; no node's loss takes it with it",
+                     p.deadpool_etcd_endpoints)  # fmt: skip
+        else:
+            log.info(
+                "the job's TCPStore runs in node 0's agent (%s:%d): if node 0 is lost, every "
+                "other agent stops its processes and the job ends (resubmit it with --load to "
+                "resume from the newest checkpoint under --save; --deadpool-store etcd keeps "
+                "the job's state off every node)", self.args.master_addr, self.port,
+            )  # fmt: skip
         if p.deadpool:
             bare = self.topology().unprotected_against_node_loss(p.deadpool_replicas)
             if bare:
@@ -229,8 +233,10 @@ class Agent:
             p.deadpool_chaos_mtbf, p.deadpool_chaos_seed, self.world_size, self.ctx,
             lambda: {r: c.proc.pid for r, c in workers.items() if c.alive()}, self.events,
         )  # fmt: skip
+        lease = self.lease
+        own_needed = max(1, int(p.deadpool_node_timeout / p.deadpool_heartbeat_interval) - 1)
         nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count)),
-                          p.deadpool_node_timeout)  # fmt: skip
+                          p.deadpool_node_timeout, lambda: lease.renewed, own_needed)  # fmt: skip
         return Run(workers, spares, monitor, coordinator, chaos, nodes, up=not p.deadpool)
 
     def _stop(self, stop: Stop | None) -> int | None:
@@ -498,7 +504,7 @@ class Agent:
         """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent
         still reads the store until it has seen the job finish)."""
         left = self.kv.add(keys.agents_left(self.job_id), 1)
-        if self.node != 0 or self.node_count == 1:
+        if self.node != 0 or self.node_count == 1 or self.store is None:
             return
         expected = self.node_count - len(run.nodes.lost_nodes())
         try:

@@ -12,6 +12,7 @@ coordinator's node is lost before it publishes a plan.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ..control import keys
@@ -39,6 +40,7 @@ log = logging.getLogger("deadpool.launch")
 
 RECOVERY_TIMEOUT_S = 300.0
 FOLLOW_POLL_S = 0.02
+NODE_LOOK_S = 0.1  # other nodes' leases, read during a gather
 
 
 @dataclass
@@ -75,6 +77,7 @@ class HotSwap:
         self.coordinator = run.coordinator
         self.events = events
         self.on_unrecoverable = on_unrecoverable
+        self._next_node_look = 0.0
 
     def fence(self, rank: int, reason: str) -> None:
         """Kill a process that must not come back (hung, or unfit) before anything is rebuilt:
@@ -130,6 +133,10 @@ class HotSwap:
     def _rank_lost(self, rank: int, generation: int) -> str | None:
         if rank in self.run.workers:
             return self.run.monitor.lost(rank)
+        now = time.monotonic()
+        if now >= self._next_node_look:  # a node lost during the gather, seen in time
+            self._next_node_look = now + NODE_LOOK_S
+            self.run.lost_nodes.extend(self.run.nodes.poll())
         return self.run.nodes.lost_rank(rank, generation)
 
     def _free_spares(self, failed: set[int]) -> list[str]:

@@ -44,6 +44,7 @@ class Lease:
         self.node = node
         self._hosted = hosted
         self._seq = 0
+        self.renewed = 0  # renewals the store took: a NodeWatch's yardstick for its own node
         self._lock = threading.Lock()
         self._sender = HeartbeatSender(self.renew, interval_s, name="deadpool-lease")
 
@@ -54,6 +55,8 @@ class Lease:
             beat = AgentBeat(self.node, socket.gethostname(), os.getpid(), self._seq,
                              time.time(), h.generation, h.ranks, h.spares)  # fmt: skip
         self.ctx.put(keys.agent(self.ctx.job, self.node), beat)
+        with self._lock:
+            self.renewed += 1
 
     def start(self) -> None:
         self.renew()
@@ -67,12 +70,18 @@ class Lease:
 class _Seen:
     beat: AgentBeat
     moved_at: float  # when this agent saw its sequence number move last
+    own_at: int  # this agent's own renewals by then
 
 
 class NodeWatch:
     """Every other node's lease, as this agent sees it. `poll()` returns nodes newly lost;
     a node is watched from its first lease on (one that never renewed is the start-up's
-    business, not a failure)."""
+    business, not a failure).
+
+    A node is lost when its lease has not moved for `timeout_s` while this agent's own lease
+    was renewed at least `own_needed` times through the same store in that time: a store that
+    stalls (an etcd cluster electing a new leader, a store host under load) stalls every
+    lease alike and accuses nobody."""
 
     def __init__(
         self,
@@ -80,28 +89,39 @@ class NodeWatch:
         me: int,
         nodes: list[int],
         timeout_s: float,
+        own: Callable[[], int],
+        own_needed: int,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.ctx = ctx
         self.me = me
         self.nodes = [n for n in nodes if n != me]
         self.timeout_s = timeout_s
+        self._own = own  # this agent's own lease renewals that reached the store
+        self._own_needed = own_needed
         self._clock = clock
         self._seen: dict[int, _Seen] = {}
         self._lost: dict[int, AgentBeat] = {}
 
     def poll(self) -> list[AgentBeat]:
         """Read every lease; the last lease of each node lost since the previous poll."""
+        beats = {
+            node: self.ctx.get(keys.agent(self.ctx.job, node), AgentBeat)
+            for node in self.nodes
+            if node not in self._lost
+        }
         now = self._clock()
+        own = self._own()
         newly = []
-        for node in self.nodes:
-            if node in self._lost:
-                continue
-            beat = self.ctx.get(keys.agent(self.ctx.job, node), AgentBeat)
+        for node, beat in beats.items():
             seen = self._seen.get(node)
             if beat is not None and (seen is None or beat.seq != seen.beat.seq):
-                self._seen[node] = _Seen(beat, now)
-            elif seen is not None and now - seen.moved_at > self.timeout_s:
+                self._seen[node] = _Seen(beat, now, own)
+            elif (
+                seen is not None
+                and now - seen.moved_at > self.timeout_s
+                and own - seen.own_at >= self._own_needed
+            ):
                 self._lost[node] = seen.beat
                 newly.append(seen.beat)
         return newly

@@ -22,6 +22,8 @@ from .store import KVStore, StoreTimeout, StoreUnreachable
 
 __all__ = ["EtcdKVStore", "parse_endpoints"]
 
+RETRY_S = 0.1
+
 
 def _b64(data: bytes | str) -> str:
     return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
@@ -43,32 +45,43 @@ class EtcdKVStore(KVStore):
         return ",".join(self._urls)
 
     def _post(self, path: str, body: dict) -> dict:
-        """POST to the first endpoint that answers; it is tried first next time."""
+        """POST to the first endpoint that answers; it is tried first next time. Every
+        endpoint is tried again until the timeout: a member that died, or a cluster electing a
+        new leader (about a second), is ridden out, not reported."""
         data = json.dumps(body).encode()
-        failures = []
-        for url in list(self._urls):
-            request = urllib.request.Request(
-                url + path, data=data, headers={"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                    answer = json.loads(response.read() or b"{}")
-            except urllib.error.HTTPError as err:
-                detail = _error_message(err)
-                if err.code < 500:  # our request is wrong; another member would say the same
-                    raise DeadpoolError(f"etcd at {url} rejected {path}: {detail}") from err
-                failures.append(f"{url}: HTTP {err.code} {detail}")
-                continue
-            except (urllib.error.URLError, OSError) as err:
-                # A timed-out write may still have been applied; CAS callers re-read anyway.
-                failures.append(f"{url}: {getattr(err, 'reason', err)}")
-                continue
-            with self._order_lock:
-                if url != self._urls[0]:
-                    self._urls.remove(url)
-                    self._urls.insert(0, url)
-            return answer
-        raise StoreUnreachable(self.endpoint, "; ".join(failures))
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            failures = []
+            for url in list(self._urls):
+                answer = self._try(url, path, data, failures)
+                if answer is not None:
+                    return answer
+            if time.monotonic() >= deadline:
+                raise StoreUnreachable(self.endpoint, "; ".join(failures))
+            time.sleep(RETRY_S)
+
+    def _try(self, url: str, path: str, data: bytes, failures: list[str]) -> dict | None:
+        request = urllib.request.Request(
+            url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
+                answer = json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as err:
+            detail = _error_message(err)
+            if err.code < 500:  # our request is wrong; another member would say the same
+                raise DeadpoolError(f"etcd at {url} rejected {path}: {detail}") from err
+            failures.append(f"{url}: HTTP {err.code} {detail}")
+            return None
+        except (urllib.error.URLError, OSError) as err:
+            # A timed-out write may still have been applied; CAS callers re-read anyway.
+            failures.append(f"{url}: {getattr(err, 'reason', err)}")
+            return None
+        with self._order_lock:
+            if url != self._urls[0]:
+                self._urls.remove(url)
+                self._urls.insert(0, url)
+        return answer
 
     def get(self, key: str) -> bytes | None:
         return _first_value(self._post("/v3/kv/range", {"key": _b64(key)}))

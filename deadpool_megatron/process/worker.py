@@ -41,8 +41,16 @@ class Takeover:
     generation: int
 
 
-def open_store(env: ProcessEnv) -> dist.Store:
-    """The launcher's TCPStore; a private in-memory store for a single plain process."""
+def open_store(env: ProcessEnv, cfg: JobConfig) -> dist.Store:
+    """Where the process groups meet: etcd with `--deadpool-store etcd` (no node holds the
+    job's state), else the launcher's TCPStore; a private in-memory store for a single plain
+    process."""
+    dpc = cfg.deadpool
+    if dpc.deadpool_store == "etcd" and env.under_launcher:
+        from ..control.c10d import EtcdC10dStore
+        from ..control.etcd_store import EtcdKVStore
+
+        return EtcdC10dStore(EtcdKVStore(dpc.deadpool_etcd_endpoints or ""))
     if env.master_port is None:
         if env.world_size != 1:
             raise RuntimeError(
@@ -58,7 +66,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
     start = time.perf_counter()
     progress = ProgressBoard(env.progress_file)  # private memory without a launcher
     progress.mark(0, "start")
-    store = open_store(env)
+    store = open_store(env, cfg)
     guard = recovery = watcher = None
     dpc = cfg.deadpool
     if takeover is not None or ((dpc.deadpool or dpc.deadpool_inject) and env.under_launcher):

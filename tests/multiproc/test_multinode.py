@@ -15,8 +15,8 @@ import time
 
 import psutil
 import pytest
-from etcd_server import free_port
-from nodes import start_nodes, wait_for_iteration
+from etcd_server import free_port, start_etcd_cluster
+from nodes import result, start_nodes
 from slurm_cluster import start_cluster
 
 from deadpool_megatron.events import read_events
@@ -34,9 +34,9 @@ NODE_OF_RANK = {r: r // NPROC for r in range(6)}
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    result = run_job(tmp_path_factory.mktemp("base_dp6"), 6, SHAPE, name="baseline")
-    assert result.returncode == 0, result.output[-3000:]
-    return result
+    base = run_job(tmp_path_factory.mktemp("base_dp6"), 6, SHAPE, name="baseline")
+    assert base.returncode == 0, base.output[-3000:]
+    return base
 
 
 def _named(events, name):
@@ -119,8 +119,8 @@ def test_worker_killed_on_a_live_node_takes_the_local_spare(tmp_path, baseline):
     finally:
         nodes.stop()
     assert rcs == [0, 0, 0, 0], nodes.all_output()[-6000:]
-    result = nodes.result()
-    assert result.losses == baseline.losses and result.digest == baseline.digest
+    job = result(nodes)
+    assert job.losses == baseline.losses and job.digest == baseline.digest
     events = read_events(str(log))
     (done,) = _named(events, "recovery_done")
     # Node 1's own spare (index 1 x 2 slots + 0 = spare-2) takes rank 3: the spare node stays
@@ -135,7 +135,7 @@ def test_agent_killed_alone_takes_its_processes_and_its_node_is_swapped(tmp_path
     log = tmp_path / "events.jsonl"
     nodes = start_nodes(tmp_path, 3, 1, NPROC, [*SHAPE, "--deadpool-event-log", str(log)])
     try:
-        wait_for_iteration(nodes, 5, 300)
+        nodes.wait_for_iteration(5, 300)
         children = nodes.kill_agent(2)
         killed_at = time.time()
         gone_after = None
@@ -150,7 +150,33 @@ def test_agent_killed_alone_takes_its_processes_and_its_node_is_swapped(tmp_path
         nodes.stop()
     assert gone_after is not None and gone_after < 2.0, gone_after  # the heartbeat timeout
     assert rcs[:2] + rcs[3:] == [0, 0, 0], nodes.all_output()[-6000:]
-    result = nodes.result()
-    assert result.losses == baseline.losses and result.digest == baseline.digest
+    job = result(nodes)
+    assert job.losses == baseline.losses and job.digest == baseline.digest
     _assert_node_swapped(read_events(str(log)), 2, {4: "spare-6", 5: "spare-7"})
     assert os.path.exists(nodes.metrics)
+
+
+def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_path, baseline):
+    # Control records and every generation's rendezvous in a 3-member etcd cluster: one
+    # member killed mid-job changes nothing; node 0 (the first agent's) lost is hot-swapped.
+    etcd = start_etcd_cluster(tmp_path, 3)
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd.endpoints,
+            "--deadpool-event-log", str(log)]  # fmt: skip
+    nodes = start_nodes(tmp_path, 3, 1, NPROC, args, launcher=("--job-id", tmp_path.name))
+    try:
+        nodes.wait_for_iteration(3, 300)
+        etcd.kill(0)
+        nodes.wait_for_iteration(7, 120)
+        nodes.kill_node(0)
+        rcs = nodes.wait(400)
+    finally:
+        nodes.stop()
+        etcd.stop()
+    assert rcs[1:] == [0, 0, 0], nodes.all_output()[-6000:]
+    job = result(nodes, 1)
+    assert job.losses == baseline.losses and job.digest == baseline.digest
+    events = read_events(str(log))
+    assert len(_named(events, "recovery_started")) == 1  # the etcd member's loss cost nothing
+    _assert_node_swapped(events, 0, {0: "spare-6", 1: "spare-7"})
+    assert "no node's loss takes it with it" in nodes.output(0)

@@ -1,5 +1,6 @@
 """The launcher's own argument checks and its preflight: reported once, nothing started."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,10 +11,11 @@ from deadpool_megatron.failure.evidence import describe_exit
 from jobs import ROOT, launch_cmd
 
 
-def _launch(args: list[str], nproc: int = 8, spares: int = 0):
+def _launch(args: list[str], nproc: int = 8, spares: int = 0, launcher=None):
     return subprocess.run(
-        launch_cmd(nproc, args, spares), cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+        launch_cmd(nproc, args, spares, launcher), cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
 
 
 def test_bad_job_flags_are_reported_once_and_no_process_starts():
@@ -31,17 +33,45 @@ def test_bad_job_flags_are_reported_once_and_no_process_starts():
         (["--nproc-per-node", "2", "--spares", "-1"], "--spares=-1 must be 0 or more"),
         (
             ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-port", "1"],
-            "--node-rank=2 must lie in [0, 1]",
+            "--node-rank=2 must lie in [0, 1] (--nnodes 2 + --spare-nodes 0)",
+        ),
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--spare-nodes", "1", "--master-port", "1"],
+            "--nnodes 2 + --spare-nodes 1 = 3 nodes, but the Slurm allocation has 2",
+        ),
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2"],
+            "--master-port 0 (pick a free port) only works on one node",
         ),
     ],
 )
 def test_bad_launcher_flags_exit_2(flags, message):
     done = subprocess.run(
         [sys.executable, "-m", "deadpool_megatron.launch", *flags, str(ROOT / "pretrain_gpt.py")],
+        env=dict(os.environ, SLURM_JOB_NUM_NODES="2"),
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, args, message",
+    [
+        (["--spare-nodes", "1"], [], "--spare-nodes 1 without --deadpool"),
+        (["--spare-nodes", "1", "--restart-policy", "full"], ["--deadpool"],
+         "--spare-nodes 1 with --restart-policy full"),
+        ([], ["--pipeline-model-parallel-size", "4"], "world size 6 is not divisible by"),
+    ],
+)  # fmt: skip
+def test_bad_multi_node_jobs_exit_2_before_any_process_starts(flags, args, message):
+    nodes = ["--nnodes", "3", "--node-rank", "0", "--master-port", "1", *flags]
+    shape = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+             "--global-batch-size", "12"]  # fmt: skip
+    done = _launch(["--config", "configs/demo.yaml", *shape, *args], nproc=2, launcher=nodes)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (done.stdout + done.stderr).count(message) == 1
+    assert "started worker" not in done.stdout + done.stderr
 
 
 def test_missing_script_is_named():

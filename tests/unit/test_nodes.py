@@ -25,22 +25,23 @@ def _lease(ctx, node, ranks=(), spares=(), generation=0):
 def test_a_node_is_lost_once_its_lease_stops_moving_for_the_timeout(kv):
     ctx = JobContext(kv, JOB)
     clock = Clock()
-    watch = NodeWatch(ctx, 0, [0, 1, 2], timeout_s=2.0, clock=clock)
+    mine = _lease(ctx, 0)
+    watch = NodeWatch(ctx, 0, [0, 1, 2], 2.0, lambda: mine.renewed, 3, clock=clock)
     one, two = _lease(ctx, 1, ranks=(2, 3)), _lease(ctx, 2, spares=("spare-4",))
     one.renew()
     assert watch.poll() == []  # node 2 never renewed: not watched yet, not lost
     two.renew()
-    for _ in range(5):  # both renew every 0.5 s: nothing is lost however long it runs
+    for _ in range(5):  # all renew every 0.5 s: nothing is lost however long it runs
         clock.t += 0.5
-        one.renew()
-        two.renew()
+        for lease in (mine, one, two):
+            lease.renew()
         assert watch.poll() == []
-    clock.t += 1.0
-    two.renew()  # node 1 stops renewing
-    assert watch.poll() == []
-    clock.t += 1.0  # exactly the timeout since node 1's last move: still fresh
-    two.renew()
-    assert watch.poll() == []
+    for _ in range(2):  # node 1 stops renewing
+        clock.t += 1.0
+        mine.renew()
+        two.renew()
+        assert watch.poll() == []  # exactly the timeout since node 1's last move: still fresh
+    mine.renew()
     clock.t += 0.01
     (lost,) = watch.poll()
     assert (lost.node, lost.ranks, lost.spares) == (1, (2, 3), ())
@@ -67,8 +68,26 @@ def test_a_lease_carries_what_the_agent_hosts_now_and_moves_every_renewal(kv):
 
 def test_the_hosting_agents_word_on_a_rank_reaches_the_coordinator(kv):
     ctx = JobContext(kv, JOB)
-    watch = NodeWatch(ctx, 0, [0, 1], timeout_s=2.0, clock=Clock())
+    watch = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: 0, 3, clock=Clock())
     assert watch.lost_rank(3, 4) is None
     ctx.put(keys.rank_lost(JOB, 4, 3), RankLost("exited with SIGKILL"))
     assert watch.lost_rank(3, 4) == "exited with SIGKILL"
     assert watch.lost_rank(3, 5) is None  # another generation's recovery
+
+
+def test_a_store_that_stalls_every_lease_accuses_nobody(kv):
+    ctx = JobContext(kv, JOB)
+    clock = Clock()
+    mine = _lease(ctx, 0)
+    watch = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: mine.renewed, 3, clock=clock)
+    other = _lease(ctx, 1, ranks=(2,))
+    mine.renew()
+    other.renew()
+    assert watch.poll() == []
+    clock.t += 5.0  # nobody's lease reached the store (an etcd election, say)
+    assert watch.poll() == []
+    mine.renew()
+    mine.renew()  # the store answers again; node 1 is still silent
+    assert watch.poll() == []
+    mine.renew()  # three renewals of our own while node 1's lease stood still
+    assert [b.node for b in watch.poll()] == [1]

@@ -1,0 +1,115 @@
+"""Several node agents of one job on one machine, each in its own session as if on its own
+node: how the tests and scripts/bench_node_loss.py run multi-node jobs without a cluster, and
+how a whole node is lost there (its agent and every process under it SIGKILLed at once)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from ..metrics import read_metrics
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalNodes:
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    metrics: Path
+    killed: dict[int, float] = field(default_factory=dict)  # node -> wall time of the kill
+
+    def output(self, node: int) -> str:
+        return self.logs[node].read_text(errors="replace")
+
+    def all_output(self) -> str:
+        return "\n".join(f"== node {n} ==\n{self.output(n)}" for n in range(len(self.procs)))
+
+    def kill_node(self, node: int) -> float:
+        """SIGKILL the node's agent and every process under it, as one node's power loss."""
+        agent = psutil.Process(self.procs[node].pid)
+        victims = [agent, *agent.children(recursive=True)]
+        at = time.time()
+        for p in victims:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGKILL)
+        self.killed[node] = at
+        return at
+
+    def kill_agent(self, node: int) -> list[int]:
+        """SIGKILL the agent alone; the pids of the processes it had started."""
+        agent = psutil.Process(self.procs[node].pid)
+        pids = [c.pid for c in agent.children()]
+        agent.send_signal(signal.SIGKILL)
+        self.killed[node] = time.time()
+        return pids
+
+    def wait_for_iteration(self, iteration: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.metrics.exists() and iteration in read_metrics(str(self.metrics))[0]:
+                return
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"an agent ended early:\n{self.all_output()[-6000:]}")
+            time.sleep(0.05)
+        raise RuntimeError(f"iteration {iteration} never came:\n{self.all_output()[-6000:]}")
+
+    def wait(self, timeout_s: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        return [p.poll() for p in self.procs]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def start_local_nodes(
+    workdir: Path,
+    script: str,
+    nnodes: int,
+    spare_nodes: int,
+    nproc: int,
+    args: list[str],
+    spares: int = 0,
+    cwd: str | None = None,
+    launcher: tuple[str, ...] = (),
+) -> LocalNodes:
+    """Start one deadpool-launch agent per node, each in its own session, logging to
+    workdir/nodeN.log; the job's metrics go to workdir/metrics.jsonl."""
+    port = free_port()
+    metrics = workdir / "metrics.jsonl"
+    procs, logs = [], []
+    for node in range(nnodes + spare_nodes):
+        log = workdir / f"node{node}.log"
+        cmd = [
+            sys.executable, "-m", "deadpool_megatron.launch",
+            "--nproc-per-node", str(nproc), "--spares", str(spares),
+            "--nnodes", str(nnodes), "--spare-nodes", str(spare_nodes),
+            "--node-rank", str(node), "--master-addr", "127.0.0.1",
+            "--master-port", str(port), *launcher, script, *args,
+            "--metrics-jsonl", str(metrics),
+        ]  # fmt: skip
+        with open(log, "w") as fh:
+            procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                          start_new_session=True))  # fmt: skip
+        logs.append(log)
+    return LocalNodes(procs, logs, metrics)
