@@ -180,3 +180,25 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
     assert len(_named(events, "recovery_started")) == 1  # the etcd member's loss cost nothing
     _assert_node_swapped(events, 0, {0: "spare-6", 1: "spare-7"})
     assert "no node's loss takes it with it" in nodes.output(0)
+
+
+def test_checkpoint_restart_is_one_restart_of_every_node(tmp_path, baseline):
+    # The baseline policy across nodes: rank 3 (node 1) dies; every node's agent stops its
+    # processes and starts them again from the newest checkpoint, under one new job id.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
+            "--deadpool-inject", "kill@3:8", "--deadpool-event-log", str(log)]  # fmt: skip
+    nodes = start_nodes(tmp_path, 3, 0, NPROC, args, launcher=("--restart-policy", "full"))
+    try:
+        rcs = nodes.wait(600)
+    finally:
+        nodes.stop()
+    assert rcs == [0, 0, 0], nodes.all_output()[-6000:]
+    job = result(nodes)
+    assert job.losses == baseline.losses and job.digest == baseline.digest
+    events = read_events(str(log))
+    restarts = _named(events, "job_restart")
+    assert len(restarts) == 3 and {r["restart"] for r in restarts} == {1}  # one per agent
+    assert {e["iteration"] for e in _named(events, "checkpoint_loaded")} == {5}
+    for n in range(3):
+        assert "checkpoint-restart 1: failure of rank 3" in nodes.output(n)
