@@ -208,8 +208,9 @@ class DeadpoolConfig:
     )
     deadpool_store: str = knob(
         "tcp",
-        "Coordination store for heartbeats, reports and membership: tcp (the TCPStore "
-        "deadpool-launch hosts) or etcd (survives the loss of any one host).",
+        "Coordination store for heartbeats, reports, membership and node leases: tcp (the "
+        "TCPStore node 0's deadpool-launch hosts; losing node 0 ends the job) or etcd (every "
+        "generation's process groups meet there too, so no node's loss ends the job).",
         choices=("tcp", "etcd"),
     )
     deadpool_etcd_endpoints: str | None = knob(

@@ -50,6 +50,19 @@ class EtcdCluster:
     def endpoints(self) -> str:
         return ",".join(self.urls)
 
+    def leader(self) -> int:
+        """The member that leads the cluster now (killing it forces an election)."""
+        import json
+        import urllib.request
+
+        for i, url in enumerate(self.urls):
+            req = urllib.request.Request(url + "/v3/maintenance/status", data=b"{}")
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                status = json.loads(resp.read())
+            if status["header"]["member_id"] == status["leader"]:
+                return i
+        raise RuntimeError(f"no etcd member of {self.urls} says it leads")
+
     def kill(self, member: int) -> None:
         self.procs[member].kill()
         self.procs[member].wait(timeout=5)

@@ -172,9 +172,10 @@ class Agent:
         else:
             log.info(
                 "job %s: node %d: %d worker(s) (ranks %d-%d of %d) and %d spare(s) started, "
-                "store on %s:%d", self.job_id, self.node, a.nproc_per_node,
+                "%s", self.job_id, self.node, a.nproc_per_node,
                 self.node * a.nproc_per_node, (self.node + 1) * a.nproc_per_node - 1,
-                self.world_size, count, a.master_addr, self.port,
+                self.world_size, count, f"store at {self.kv.endpoint}" if self.store is None
+                else f"store on port {self.port}",
             )  # fmt: skip
         if self.node == 0 and self.restarts == 0:
             self._log_layout()

@@ -157,8 +157,9 @@ def test_agent_killed_alone_takes_its_processes_and_its_node_is_swapped(tmp_path
 
 
 def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_path, baseline):
-    # Control records and every generation's rendezvous in a 3-member etcd cluster: one
-    # member killed mid-job changes nothing; node 0 (the first agent's) lost is hot-swapped.
+    # Control records and every generation's rendezvous in a 3-member etcd cluster: its
+    # leader killed mid-job (an election follows) changes nothing; node 0 (the first agent's)
+    # lost is hot-swapped.
     etcd = start_etcd_cluster(tmp_path, 3)
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd.endpoints,
@@ -166,7 +167,7 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
     nodes = start_nodes(tmp_path, 3, 1, NPROC, args, launcher=("--job-id", tmp_path.name))
     try:
         nodes.wait_for_iteration(3, 300)
-        etcd.kill(0)
+        etcd.kill(etcd.leader())
         nodes.wait_for_iteration(7, 120)
         nodes.kill_node(0)
         rcs = nodes.wait(400)
