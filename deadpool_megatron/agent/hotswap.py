@@ -96,8 +96,8 @@ class HotSwap:
     ) -> Stop | None:  # fmt: skip
         """Recover without restarting the job: order every process to stop, plan from what
         they hold, seat spares, publish the new generation. The first agent to order the
-        recovery coordinates it; an agent that finds one ordered already joins it. Returns an
-        exit status only when the job cannot go on."""
+        recovery coordinates it; an agent that finds one ordered already joins it. Returns a
+        Stop only when the job cannot go on in memory."""
         coordinator = self.coordinator
         try:
             rec = coordinator.order(permanent, reason, failed_at)
@@ -163,7 +163,8 @@ class HotSwap:
     def follow(self, generation: int) -> Stop | None:
         """Take part in a recovery another agent coordinates: say which local ranks will
         never report, then take the plan's word on which local processes hold which rank. If
-        the coordinator's node is lost before it publishes a plan, recover again, from here."""
+        the coordinator's node is lost before it publishes a plan, return: its loss is queued,
+        and the first agent to count it orders the next generation."""
         order = self.ctx.get(keys.recovery_order(self.ctx.job, generation), RecoveryOrder)
         self.ctx.advance(generation)
         log.info("following the recovery into generation %d (coordinated by node %d): %s",
