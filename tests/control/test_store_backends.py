@@ -87,7 +87,7 @@ def test_get_set_add_delete(connect, job):
     assert store.get(key) is None  # absent: answered at once, not waited for
     store.set(key, b"1")
     assert store.get(key) == b"1"
-    counter = keys.nodes_done(job)
+    counter = keys.ranks_done(job)
     assert [store.add(counter, 1), store.add(counter, 5)] == [1, 6]
     assert store.delete(key) is True and store.delete(key) is False
     assert store.get(key) is None
@@ -111,7 +111,7 @@ def test_identical_racing_swaps_have_exactly_one_winner(connect, job):
 
 
 def test_concurrent_adds_are_atomic(connect, job):
-    key = keys.nodes_done(job)
+    key = keys.ranks_done(job)
     results = race(connect, lambda c, i: [c.add(key, 1) for _ in range(5)])
     assert sorted(n for r in results for n in r) == list(range(1, 5 * RACERS + 1))
 
