@@ -29,8 +29,10 @@ log = logging.getLogger("deadpool.launch")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deadpool-launch",
-        description="Start N workers and S spare processes of SCRIPT on this node, host the "
-        "job's store, and watch them.",
+        description="The agent of one node: start N workers and S spare processes of SCRIPT "
+        "here (a spare node: N spares), host the job's TCPStore (node 0; with "
+        "--deadpool-store etcd nobody does), watch them and the other nodes, and hot-swap "
+        "failures. Run one per node.",
     )
     parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="Worker processes on this node.")  # fmt: skip
@@ -46,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="This node's index (default: 0): 0 to NNODES-1 are worker nodes, "
                         "NNODES to NNODES+M-1 spare nodes.")  # fmt: skip
     parser.add_argument("--master-addr", default="127.0.0.1",
-                        help="Address of node 0, which hosts the store (default: 127.0.0.1).")  # fmt: skip
+                        help="Address of node 0, whose agent hosts the TCPStore (default: "
+                        "127.0.0.1).")  # fmt: skip
     parser.add_argument("--master-port", type=int, default=0,
                         help="Store port on node 0; 0 picks a free one on a single node.")  # fmt: skip
     parser.add_argument("--job-id", default=None,
