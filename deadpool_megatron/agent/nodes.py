@@ -63,7 +63,11 @@ class Lease:
         self._sender.start()
 
     def stop(self) -> None:
+        """Stop renewing and wait for a renewal in flight: the store may close next (node 0's
+        agent hosts it), and a renewal caught by that would wait out the store's timeout."""
         self._sender.stop()
+        if self._sender.is_alive():
+            self._sender.join(timeout=10)
 
 
 @dataclass
