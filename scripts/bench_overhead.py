@@ -85,7 +85,7 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
     env = ProcessEnv.from_environ()
     cfg = parse_job_args(job, env.world_size)
     setup_logging()
-    on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, open_store(env))
+    on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, open_store(env, cfg))
     state = build_train_state(cfg, on_gpu)
     pipeline = build_pipeline(cfg, state, env, on_gpu)
     pipeline.enabled = protection_on(1, a.warmup, a.window)

@@ -179,11 +179,20 @@ class Agent:
             )  # fmt: skip
         if self.node == 0 and self.restarts == 0:
             self._log_layout()
-        if self.lease is not None:
-            self.lease.stop()
-        self.lease = Lease(self.ctx, self.node, lambda: self._hosted,
-                           self.settings.protection.deadpool_heartbeat_interval)  # fmt: skip
-        self.lease.start()
+        self._stop_lease()
+        if self.node_count > 1:  # nobody watches a single node's lease
+            self.lease = Lease(self._lease_context(), self.node, lambda: self._hosted,
+                               self.settings.protection.deadpool_heartbeat_interval)  # fmt: skip
+            self.lease.start()
+
+    def _lease_context(self) -> JobContext:
+        """The lease thread's own line to the store: a connection of its own to the TCPStore
+        (the agent's main thread keeps the hosting one to itself); etcd's client opens one
+        per request anyway."""
+        if self.store is None:
+            return self.ctx
+        kv = TcpKVStore(self.args.master_addr, self.port, timeout_s=30.0)
+        return JobContext(kv, self.job_id)
 
     def _log_layout(self) -> None:
         """Once per job: where the store lives, and what one node's loss would cost."""
@@ -235,9 +244,10 @@ class Agent:
             lambda: {r: c.proc.pid for r, c in workers.items() if c.alive()}, self.events,
         )  # fmt: skip
         lease = self.lease
+        renewed = (lambda: lease.renewed) if lease is not None else (lambda: 0)
         own_needed = max(1, int(p.deadpool_node_timeout / p.deadpool_heartbeat_interval) - 1)
         nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count)),
-                          p.deadpool_node_timeout, lambda: lease.renewed, own_needed)  # fmt: skip
+                          p.deadpool_node_timeout, renewed, own_needed)  # fmt: skip
         return Run(workers, spares, monitor, coordinator, chaos, nodes, up=not p.deadpool)
 
     def _stop(self, stop: Stop | None) -> int | None:
@@ -515,8 +525,14 @@ class Agent:
         except StoreTimeout as err:
             log.warning("%s; closing the store anyway", err)
 
-    def close(self) -> None:
+    def _stop_lease(self) -> None:
         if self.lease is not None:
             self.lease.stop()
+            if self.lease.ctx.kv is not self.kv:
+                self.lease.ctx.kv.close()
+            self.lease = None
+
+    def close(self) -> None:
+        self._stop_lease()
         self.children.close()
         self.events.close()

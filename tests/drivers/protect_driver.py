@@ -202,7 +202,7 @@ def main() -> int:
     env = ProcessEnv.from_environ()
     cfg = parse_job_args(job_args, env.world_size)
     setup_logging()
-    store = open_store(env)
+    store = open_store(env, cfg)
     on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store)
     state = build_train_state(cfg, on_gpu)
     p = cfg.parallel

@@ -56,7 +56,7 @@ def test_spare_registers_idles_and_exits_when_the_job_ends(runs_3d):
     out = runs_3d[0].output
     assert "[spare 0]" in out and "spare 0 registered" in out
     assert "spare 0: job finished, exiting" in out
-    assert "all 8 worker(s) succeeded" in out
+    assert "8 worker(s) on node 0 succeeded" in out
 
 
 def test_interleaved_schedule_is_deterministic_and_learns(runs_interleaved):
