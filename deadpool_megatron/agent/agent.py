@@ -302,10 +302,7 @@ class Agent:
             if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
                 run.up = self._membership_up(run.spares)
-            if run.workers:
-                if all(c.proc.poll() == 0 for c in run.workers.values()):
-                    return self.finish(run)
-            elif self.ctx.get(keys.job_finished(self.job_id), Flag) is not None:
+            if run.workers and all(c.proc.poll() == 0 for c in run.workers.values()):
                 return self.finish(run)
             time.sleep(POLL_S)
 
@@ -327,6 +324,8 @@ class Agent:
         generation = self.ctx.generation + 1
         if self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder) is not None:
             return self._stop(self.swap.follow(generation))
+        if not run.workers and self.ctx.get(keys.job_finished(self.job_id), Flag) is not None:
+            return self.finish(run)  # a node without ranks (a spare node) ends with the job
         return None
 
     def _act(self, detection: Detection, run: Run) -> int | None:

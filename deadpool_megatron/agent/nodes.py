@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..control import keys
 from ..control.context import JobContext
-from ..control.messages import AgentBeat, RankLost
+from ..control.messages import AgentBeat, Heartbeat, RankLost
 from ..failure.heartbeat import HeartbeatSender
 
 
@@ -75,6 +75,8 @@ class _Seen:
     beat: AgentBeat
     moved_at: float  # when this agent saw its sequence number move last
     own_at: int  # this agent's own renewals by then
+    beats: tuple = ()  # the last heartbeats seen of the processes its lease lists
+    beats_moved_at: float = 0.0
 
 
 class NodeWatch:
@@ -83,9 +85,11 @@ class NodeWatch:
     business, not a failure).
 
     A node is lost when its lease has not moved for `timeout_s` while this agent's own lease
-    was renewed at least `own_needed` times through the same store in that time: a store that
-    stalls (an etcd cluster electing a new leader, a store host under load) stalls every
-    lease alike and accuses nobody."""
+    was renewed at least `own_needed` times through the same store in that time (a store that
+    stalls, an etcd cluster electing a new leader, stalls every lease alike and accuses
+    nobody), and none of the processes its lease lists (its ranks, its spares) has beaten in
+    that time either: a late lease alone, like a late heartbeat, proves nothing while the
+    node's processes are still beating; a lost node's processes are gone with it."""
 
     def __init__(
         self,
@@ -120,15 +124,30 @@ class NodeWatch:
         for node, beat in beats.items():
             seen = self._seen.get(node)
             if beat is not None and (seen is None or beat.seq != seen.beat.seq):
-                self._seen[node] = _Seen(beat, now, own)
+                self._seen[node] = _Seen(beat, now, own, self._beats(beat), now)
             elif (
                 seen is not None
                 and now - seen.moved_at > self.timeout_s
                 and own - seen.own_at >= self._own_needed
+                and not self._still_beating(seen, now)
             ):
                 self._lost[node] = seen.beat
                 newly.append(seen.beat)
         return newly
+
+    def _beats(self, beat: AgentBeat) -> tuple:
+        """The heartbeats of the processes a lease lists, as they stand in the store."""
+        job = self.ctx.job
+        found = [self.ctx.get(keys.heartbeat(job, beat.generation, r), Heartbeat)
+                 for r in beat.ranks]  # fmt: skip
+        found += [self.ctx.get(keys.spare_heartbeat(job, s), Heartbeat) for s in beat.spares]
+        return tuple(found)
+
+    def _still_beating(self, seen: _Seen, now: float) -> bool:
+        beats = self._beats(seen.beat)
+        if beats != seen.beats:
+            seen.beats, seen.beats_moved_at = beats, now
+        return now - seen.beats_moved_at <= self.timeout_s
 
     def last(self, node: int) -> AgentBeat | None:
         """The newest lease seen of `node` (its last one, if it is lost)."""

@@ -5,7 +5,7 @@ named; the hosting agent's word on a rank reaches a coordinator on another node.
 from deadpool_megatron.agent.nodes import Hosted, Lease, NodeWatch
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
-from deadpool_megatron.control.messages import AgentBeat, RankLost
+from deadpool_megatron.control.messages import AgentBeat, Heartbeat, RankLost
 
 JOB = "nodes-test"
 
@@ -90,4 +90,24 @@ def test_a_store_that_stalls_every_lease_accuses_nobody(kv):
     mine.renew()  # the store answers again; node 1 is still silent
     assert watch.poll() == []
     mine.renew()  # three renewals of our own while node 1's lease stood still
+    assert [b.node for b in watch.poll()] == [1]
+
+
+def test_a_late_lease_alone_proves_nothing_while_the_nodes_processes_beat(kv):
+    ctx = JobContext(kv, JOB)
+    clock = Clock()
+    mine = _lease(ctx, 0)
+    watch = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: mine.renewed, 3, clock=clock)
+    _lease(ctx, 1, ranks=(2,)).renew()  # node 1's agent renews once, then stalls
+    assert watch.poll() == []
+    for i in range(8):  # its rank 2 keeps beating for 4 s
+        clock.t += 0.5
+        mine.renew()
+        ctx.put(keys.heartbeat(JOB, 0, 2), Heartbeat(clock.t, i, 42))
+        assert watch.poll() == []
+    for _ in range(4):  # and stops: 2 s later the node is lost
+        clock.t += 0.5
+        mine.renew()
+        assert watch.poll() == []
+    clock.t += 0.01
     assert [b.node for b in watch.poll()] == [1]
