@@ -125,11 +125,14 @@ class NodeWatch:
             seen = self._seen.get(node)
             if beat is not None and (seen is None or beat.seq != seen.beat.seq):
                 self._seen[node] = _Seen(beat, now, own, self._beats(beat), now)
-            elif (
-                seen is not None
-                and now - seen.moved_at > self.timeout_s
+                continue
+            if seen is None:
+                continue
+            beating = self._still_beating(seen, now)  # followed from the lease's first miss
+            if (
+                now - seen.moved_at > self.timeout_s
                 and own - seen.own_at >= self._own_needed
-                and not self._still_beating(seen, now)
+                and not beating
             ):
                 self._lost[node] = seen.beat
                 newly.append(seen.beat)
