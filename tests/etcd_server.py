@@ -3,7 +3,6 @@ started on free loopback ports in a temporary data dir and stopped by pid."""
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -11,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deadpool_megatron.agent.local import free_port
 
 
 def etcd_binary() -> str:

@@ -141,17 +141,17 @@ class Agent:
         messages.create(self.kv, key, JobIdentity(fresh))
         return messages.get(self.kv, key, JobIdentity).job
 
-    def spare_index(self, s: int) -> int:
-        """Globally unique: every node numbers its spares in its own block."""
+    def spare_index(self, s: int, node: int | None = None) -> int:
+        """Globally unique: every node numbers its spares in its own block, as wide as the
+        most spares any node has."""
         a = self.args
         slots = max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
-        return self.node * slots + s
+        return (self.node if node is None else node) * slots + s
 
     def expected_spares(self) -> list[str]:
         a = self.args
-        slots = max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
         return [
-            spare_id(node * slots + s)
+            spare_id(self.spare_index(s, node))
             for node in range(self.node_count)
             for s in range(a.nproc_per_node if node >= a.nnodes else a.spares)
         ]
