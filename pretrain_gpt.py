@@ -7,8 +7,6 @@ for one process). `--help` lists every flag; `--config configs/demo.yaml` loads 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
 import sys
@@ -16,24 +14,7 @@ import sys
 from deadpool_megatron.errors import ConfigError
 from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron.arguments import parse_job_args
-from deadpool_megatron.runtime import ENV_PREFLIGHT_OUT, ROLE_SPARE, ProcessEnv
-
-
-def _write_preflight(cfg) -> None:
-    """Tell deadpool-launch the settings it acts on (heartbeats, faults, event log)."""
-    path = os.environ.get(ENV_PREFLIGHT_OUT)
-    if path:
-        with open(path, "w") as fh:
-            json.dump(
-                {
-                    **dataclasses.asdict(cfg.deadpool),
-                    "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-                    "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
-                    "save": cfg.checkpoint.save,
-                    "load": cfg.checkpoint.load,
-                },
-                fh,
-            )
+from deadpool_megatron.runtime import ROLE_SPARE, ProcessEnv, write_preflight
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
         return ConfigError.exit_code
     if env.preflight:
-        _write_preflight(cfg)
+        write_preflight(cfg)
         return 0
     setup_logging("" if env.under_launcher else f"rank {env.rank}")
     if env.role == ROLE_SPARE:

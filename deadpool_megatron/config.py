@@ -395,11 +395,11 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
             os.path.isdir(c.load),
             f"--load {c.load!r} is not a directory; pass a directory written by --save",
         )
-    _validate_deadpool(cfg, dp)
+    validate_deadpool(cfg, dp)
     return cfg
 
 
-def _validate_deadpool(cfg: JobConfig, dp: int) -> None:
+def validate_deadpool(cfg: JobConfig, dp: int) -> None:
     dpc = cfg.deadpool
     _require(
         dpc.deadpool_snapshot_interval >= 1,

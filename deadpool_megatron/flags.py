@@ -33,9 +33,13 @@ def _base_type(annotation: Any) -> type:
 _METAVARS = {int: "N", float: "X", str: "STR"}
 
 
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per field of every config group, with the field's help text."""
+def add_config_flags(
+    parser: argparse.ArgumentParser, groups: tuple[str, ...] | None = None
+) -> None:
+    """Add one flag per field of every config group (or of `groups`), with its help text."""
     for group_name, cls in CONFIG_GROUPS.items():
+        if groups is not None and group_name not in groups:
+            continue
         group = parser.add_argument_group(group_name)
         for f in dataclasses.fields(cls):
             meta = f.metadata

@@ -6,6 +6,8 @@ one exists), so a training script reads one `ProcessEnv` instead of scattered `o
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -60,3 +62,20 @@ class ProcessEnv:
             fault_scope=env.get(ENV_FAULT_SCOPE, env.get(ENV_JOB_ID, "local")),
             progress_file=env.get(ENV_PROGRESS_FILE),
         )
+
+
+def write_preflight(cfg) -> None:
+    """Tell deadpool-launch the settings it acts on (heartbeats, faults, event log)."""
+    path = os.environ.get(ENV_PREFLIGHT_OUT)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(
+                {
+                    **dataclasses.asdict(cfg.deadpool),
+                    "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
+                    "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
+                    "save": cfg.checkpoint.save,
+                    "load": cfg.checkpoint.load,
+                },
+                fh,
+            )

@@ -3,7 +3,7 @@ step: snapshot (device-to-host) into ping-pong host buffers, then ring replicati
 optimizer shard + metadata to the DP-ring successors, both off the critical path.
 
 The only wait the training loop can see is the fence the caller installs before each
-optimizer step (`install_fence`, megatron/hooks.py for megatron-core): the next step must not
+optimizer step (`install_fence`, megatron/fence.py for megatron-core): the next step must not
 modify the state while it is still being copied.
 """
 

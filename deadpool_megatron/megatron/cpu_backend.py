@@ -62,6 +62,8 @@ _MODULES_TO_LOAD = (
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
 )
 _ACTIVE = False
+# Upstream Megatron-LM's entry-point modules, which sit outside the megatron package.
+_EXTRA_MODULES = ("__main__", "gpt_builders", "model_provider")
 
 
 def _is_cuda(device) -> bool:
@@ -140,11 +142,14 @@ def _nvtx_namespace() -> types.SimpleNamespace:
     )
 
 
-def _build_cuda_view() -> types.ModuleType:
+def _build_cuda_view(claim_available: bool) -> types.ModuleType:
     cuda = types.ModuleType("torch.cuda")
     cuda.__dict__.update(torch.cuda.__dict__)
     cuda.__getattr__ = lambda name: getattr(torch.cuda, name)  # lazy submodules
     cuda.current_device = lambda: _CPU
+    if claim_available:
+        cuda.is_available = lambda: True
+    cuda.set_device = lambda *a, **k: None
     cuda.device_count = lambda: 1
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
@@ -168,13 +173,13 @@ def _build_cuda_view() -> types.ModuleType:
     return cuda
 
 
-def _build_torch_view() -> types.ModuleType:
+def _build_torch_view(claim_available: bool = False) -> types.ModuleType:
     view = types.ModuleType("torch")
     view.__dict__.update(torch.__dict__)
     view.__getattr__ = lambda name: getattr(torch, name)
     for name in _FACTORIES:
         setattr(view, name, _cpu_factory(getattr(torch, name)))
-    view.cuda = _build_cuda_view()
+    view.cuda = _build_cuda_view(claim_available)
     view.distributed = gloo_ops.distributed_view()  # operations a recovery can interrupt
     return view
 
@@ -199,8 +204,16 @@ def _patch_tensor_methods() -> None:
             return self
         return original_cuda(self, *args, **kwargs)
 
+    original_module_cuda = torch.nn.Module.cuda
+
+    def module_cuda(self, device=None):
+        if _called_from_megatron():
+            return self
+        return original_module_cuda(self, device)
+
     torch.Tensor.type = type_
     torch.Tensor.cuda = cuda_
+    torch.nn.Module.cuda = module_cuda
 
 
 def _cpu_get_rng_state(device=None, clone=False, graph_safe=False):
@@ -211,18 +224,23 @@ def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _no_fused_kernels(args) -> None:
+    pass
+
+
 def patch_loaded_modules() -> int:
     """Give every loaded megatron.core module the CPU view of torch. Idempotent."""
     if not _ACTIVE:
         return 0
-    view = _VIEW
     patched = 0
     for name, module in list(sys.modules.items()):
-        if not name.startswith("megatron.core") or module is None:
+        if module is None or not (name.startswith("megatron.") or name in _EXTRA_MODULES):
             continue
         if module.__dict__.get("torch") is torch:
-            module.torch = view
+            module.torch = _VIEW if name.startswith("megatron.core") else _TRAINING_VIEW
             patched += 1
+        if name == "megatron.legacy.fused_kernels":  # CUDA kernels: nothing to build on a CPU
+            module.load = _no_fused_kernels
         if name.endswith("tensor_parallel.random"):
             module._get_cuda_rng_state = _cpu_get_rng_state
             module._set_cuda_rng_state = _cpu_set_rng_state
@@ -230,6 +248,7 @@ def patch_loaded_modules() -> int:
 
 
 _VIEW: types.ModuleType | None = None
+_TRAINING_VIEW: types.ModuleType | None = None
 
 
 def should_activate(force_cpu: bool) -> bool:
@@ -239,7 +258,7 @@ def should_activate(force_cpu: bool) -> bool:
 
 def activate() -> None:
     """Import the megatron-core modules a training job uses, then route their CUDA to the CPU."""
-    global _ACTIVE, _VIEW
+    global _ACTIVE, _VIEW, _TRAINING_VIEW
     if _ACTIVE:
         patch_loaded_modules()
         return
@@ -250,6 +269,7 @@ def activate() -> None:
             log.debug("megatron-core module %s not present", name)
 
     _VIEW = _build_torch_view()
+    _TRAINING_VIEW = _build_torch_view(claim_available=True)
     _ACTIVE = True
     _patch_tensor_methods()
     count = patch_loaded_modules()

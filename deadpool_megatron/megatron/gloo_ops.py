@@ -105,4 +105,15 @@ def distributed_view() -> types.ModuleType:
             setattr(view, name, _collective(getattr(dist, name)))
     view.isend = _point_to_point(dist.isend)
     view.irecv = _point_to_point(dist.irecv)
+    real = {view.isend: dist.isend, view.irecv: dist.irecv}
+
+    def p2p_op(op, *args, **kwargs) -> dist.P2POp:
+        return dist.P2POp(real.get(op, op), *args, **kwargs)  # it accepts torch's own only
+
+    def batch_isend_irecv(ops: list) -> list:
+        _check()
+        return [AbortableWork(work) for work in dist.batch_isend_irecv(ops)]
+
+    view.P2POp = p2p_op
+    view.batch_isend_irecv = batch_isend_irecv
     return view

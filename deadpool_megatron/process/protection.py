@@ -1,7 +1,7 @@
 """Wire DeadPool's protection pipeline into a megatron-core training job.
 
 The training loop calls `pipeline.after_step(iteration)` after the optimizer step; the fence
-before the next step (megatron/hooks.py), the replication ring's own group and the replica
+before the next step (megatron/fence.py), the replication ring's own group and the replica
 sizes of every predecessor are set up here, once per generation.
 """
 
@@ -15,7 +15,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.transport import GlooTransport
 from ..config import JobConfig
 from ..megatron import parallel
-from ..megatron.hooks import step_fence_installer
+from ..megatron.fence import step_fence_installer
 from ..megatron.model import TrainState
 from ..megatron.shard import RankState
 from ..runtime import ProcessEnv

@@ -40,7 +40,9 @@ def warm_up(force_cpu: bool) -> float:
     return time.perf_counter() - start
 
 
-def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05) -> int:
+def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
+    """Idle until claimed, then `become(worker_env, takeover)` the claimed rank (by default
+    our own worker; a patched Megatron-LM passes its own)."""
     ctx = connect(env, cfg.deadpool)
     client = ControlClient(ctx, env.fault_scope)
     me = spare_id(env.spare_index)
@@ -78,4 +80,7 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05) -> int:
     from .worker import Takeover, run_worker
 
     worker_env = dataclasses.replace(env, rank=order.rank, role=ROLE_WORKER)
-    return run_worker(cfg, worker_env, Takeover(ctx, client, order.generation))
+    takeover = Takeover(ctx, client, order.generation)
+    if become is not None:
+        return become(worker_env, takeover)
+    return run_worker(cfg, worker_env, takeover)

@@ -190,20 +190,15 @@ class ProcessRecovery:
         self._failed_iteration = 0
         self._spent = 0  # the newest generation whose store prefix an attempt used
         self._account: dict | None = None  # phases of a recovery awaiting its first iteration
+        self._reset_s = 0.0  # how long the last reset of the communicators took
 
     # -- entry points ------------------------------------------------------------------------
     def recover(self, trainer: Trainer, err: BaseException) -> None:
         """A worker: take part in recoveries until one succeeds; raises RecoveryFailed."""
-        self._begin(trainer.iteration)
-        if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
-            self.report(err)  # the agent classifies it
-        log.warning("iteration %d stopped: %s: %s", trainer.iteration + 1, type(err).__name__, err)
-        self.stop(trainer)
+        self.interrupted(trainer, err)
         while True:
-            generation = self.await_order()
-            self.report_holdings(generation)
+            plan = self.next_plan()
             try:
-                plan = self.await_plan(generation)
                 self._run(plan, self.rebuild(plan, trainer))
                 return
             except Superseded as why:
@@ -211,22 +206,31 @@ class ProcessRecovery:
             except RecoveryFailed:
                 raise
             except Exception as e:  # a failure during the recovery: a newer order follows
-                self._failed_attempt(generation, e, trainer)
+                self.failed_attempt(plan.generation, e, trainer)
+
+    def interrupted(self, trainer: Trainer, err: BaseException) -> None:
+        """Stage 1 for a worker whose iteration failed: report the failure, stop."""
+        self._begin(trainer.iteration)
+        if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
+            self.report(err)  # the agent classifies it
+        log.warning("iteration %d stopped: %s: %s", trainer.iteration + 1, type(err).__name__, err)
+        self.stop(trainer)
+
+    def next_plan(self) -> RecoveryPlan:
+        """Stages 2-3: the plan of the newest generation ordered; raises RecoveryFailed."""
+        while True:
+            generation = self.await_order()
+            self.report_holdings(generation)
+            try:
+                return self.await_plan(generation)
+            except Superseded as why:
+                log.info("%s; recovering into the newer generation", why)
 
     def take_over(self, generation: int, make_trainer: MakeTrainer) -> Trainer:
         """A claimed spare joins the recovery into `generation`; returns its trainer. Any
         failure ends it (it holds nothing yet; the agent seats the next spare)."""
-        if generation - 1 > self.ctx.generation:
-            self.ctx.advance(generation - 1)  # the generation the job is leaving
-        self.ctx.see_order(generation)
-        self._begin(0)
+        plan = self.takeover_plan(generation)
         try:
-            plan = self.await_plan(generation)
-            if self.env.rank not in plan.replaced:
-                raise RecoveryFailed(
-                    f"the plan of generation {generation} does not replace rank "
-                    f"{self.env.rank}: {sorted(plan.replaced)}"
-                )
             rebuilt = self.rebuild(plan, None, make_trainer)
             self._run(plan, rebuilt)
             return rebuilt.trainer
@@ -235,9 +239,30 @@ class ProcessRecovery:
         except Exception as e:
             raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {e}") from e
 
+    def takeover_plan(self, generation: int) -> RecoveryPlan:
+        """A claimed spare's stages 2-3: the plan that seats it; raises RecoveryFailed."""
+        if generation - 1 > self.ctx.generation:
+            self.ctx.advance(generation - 1)  # the generation the job is leaving
+        self.ctx.see_order(generation)
+        self._begin(0)
+        try:
+            plan = self.await_plan(generation)
+        except Superseded as why:
+            raise RecoveryFailed(f"taking over rank {self.env.rank}: {why}") from why
+        if self.env.rank not in plan.replaced:
+            raise RecoveryFailed(
+                f"the plan of generation {generation} does not replace rank "
+                f"{self.env.rank}: {sorted(plan.replaced)}"
+            )
+        return plan
+
     def _begin(self, iteration: int) -> None:
         self.progress.mark(iteration, "recovery")
         self.active = True
+
+    def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
+        """Stages 5-7 once the generation's groups, model and optimizer are built."""
+        self._run(plan, rebuilt)
 
     def _run(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         restored = self.restore(rebuilt, plan)
@@ -302,28 +327,38 @@ class ProcessRecovery:
     def rebuild(
         self, plan: RecoveryPlan, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
     ) -> Rebuilt:
-        generation = plan.generation
-        self._spent = generation  # from here on, this generation's store prefix is used
-        phases: dict[str, float] = {}
+        old_groups = self.reset_communicators(plan)
         t = time.perf_counter()
-        old_groups = live_groups() if self.cfg.deadpool.deadpool_verify_groups else []
-        parallel.destroy_distributed()
-        self.rendezvous(generation)
-        self.abort.rearm()
         on_gpu = parallel.init_distributed(
             self.cfg, self.env.rank, self.env.world_size, self.store,
-            prefix=self.ctx.store_prefix(generation),
+            prefix=self.ctx.store_prefix(plan.generation),
         )  # fmt: skip
-        phases["rebuild_communicators"] = time.perf_counter() - t
+        phases = {"rebuild_communicators": time.perf_counter() - t + self._reset_s}
         t = time.perf_counter()
         state = build_train_state(self.cfg, on_gpu)
         materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
         if trainer is None:
             trainer = make_trainer(state, on_gpu)
         phases["rebuild_model"] = time.perf_counter() - t
-        if self.inject is not None:  # kill@R:I:recovery: recovering from a failure in I
-            self.inject(self._failed_iteration, "recovery")
+        self.inject_recovery_fault()
         return Rebuilt(trainer, state, on_gpu, phases, old_groups)
+
+    def reset_communicators(self, plan: RecoveryPlan) -> list:
+        """Tear down every group and meet the generation on the store; returns the groups
+        from before, for the stale-reference check (empty unless --deadpool-verify-groups)."""
+        self._spent = plan.generation  # from here on, this generation's store prefix is used
+        t = time.perf_counter()
+        old_groups = live_groups() if self.cfg.deadpool.deadpool_verify_groups else []
+        parallel.destroy_distributed()
+        self.rendezvous(plan.generation)
+        self.abort.rearm()
+        self._reset_s = time.perf_counter() - t
+        return old_groups
+
+    def inject_recovery_fault(self) -> None:
+        """kill@R:I:recovery: recovering from a failure in iteration I, groups rebuilt."""
+        if self.inject is not None:
+            self.inject(self._failed_iteration, "recovery")
 
     def rendezvous(self, generation: int) -> None:
         """Everyone of the generation is here: only then build groups (a gloo rendezvous
@@ -434,7 +469,7 @@ class ProcessRecovery:
             ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()),
         )  # fmt: skip
 
-    def _failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
+    def failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
         log.warning("recovery into generation %d failed: %s: %s", generation,
                     type(err).__name__, err)  # fmt: skip
         self.abort.abort()

@@ -21,7 +21,7 @@ LAYERS = [
     {"megatron"},
     {"recovery"},
     {"process", "agent"},
-    {"launch", "__init__"},
+    {"launch", "hooks", "__init__"},
 ]
 
 

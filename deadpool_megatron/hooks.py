@@ -1,0 +1,99 @@
+"""The hook API: the few calls a Megatron-LM training script makes into DeadPool.
+
+Patched Megatron-LM (`patches/`) calls exactly these, at these points:
+
+- `wrap_pretrain(pretrain)`: in the script's `__main__`; returns `pretrain` itself unless the
+  command line has --deadpool* flags or deadpool-launch started the process, else a wrapper
+  that runs it protected, through failures (a spare process waits inside it until it is
+  claimed), with the --deadpool* flags added to Megatron-LM's parser through its
+  extra-arguments hook (`extra_args_provider`, wrapping the script's own);
+- `after_setup(model, optimizer, opt_param_scheduler)`: in pretrain(), right after
+  setup_model_and_optimizer: protection starts, or a hot-swap restores the state here;
+- `before_step(iteration)` / `after_step(iteration, loss_dict)`: in train(), around each
+  train_step; `iteration` counts completed iterations, so before_step gets the number
+  completed so far and after_step the one just completed (its snapshot).
+
+Without a session (no --deadpool) every hook returns at once: patched Megatron-LM then
+behaves exactly as unpatched. Importing this module is cheap: no torch, no megatron.
+
+The session is process-wide (process/upstream.py's `current()`), set for the duration of the
+run: hooks are called from deep inside Megatron-LM's functions, where nothing can be passed in.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+_SESSIONS = "deadpool_megatron.process.upstream"
+
+
+def _session():
+    """The protected run's session; None without one (then that module was never imported)."""
+    module = sys.modules.get(_SESSIONS)
+    return None if module is None else module.current()
+
+
+def extra_args_provider(inner: Callable | None = None) -> Callable:
+    """Megatron-LM's `extra_args_provider`: the script's own flags, then DeadPool's."""
+
+    def provider(parser):
+        if inner is not None:
+            parser = inner(parser)
+        from .megatron.upstream import add_arguments
+
+        return add_arguments(parser)
+
+    return provider
+
+
+def _wanted(argv: list[str]) -> bool:
+    from .runtime import ENV_ROLE
+
+    return ENV_ROLE in os.environ or any(a.startswith("--deadpool") for a in argv)
+
+
+def wrap_pretrain(pretrain: Callable) -> Callable:
+    """`pretrain` protected by DeadPool when the job asks for it, else `pretrain` itself."""
+    if not _wanted(sys.argv[1:]):
+        return pretrain
+
+    @functools.wraps(pretrain)
+    def protected(*args, **kwargs):
+        from .process.upstream import main
+
+        kwargs["extra_args_provider"] = extra_args_provider(kwargs.get("extra_args_provider"))
+        if "-h" in sys.argv or "--help" in sys.argv:  # Megatron-LM's help, DeadPool's flags in it
+            return pretrain(*args, **kwargs)
+        code = main(pretrain, args, kwargs, sys.argv[1:])
+        # pretrain() is the last call of Megatron-LM's scripts. Everything is written and every
+        # group destroyed; the interpreter's teardown of torch and megatron takes seconds per
+        # process, during which the agent would see a process that stopped beating.
+        import logging
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    return protected
+
+
+def after_setup(model, optimizer, opt_param_scheduler) -> None:
+    session = _session()
+    if session is not None:
+        session.after_setup(model, optimizer, opt_param_scheduler)
+
+
+def before_step(iteration: int) -> None:
+    session = _session()
+    if session is not None:
+        session.before_step(iteration)
+
+
+def after_step(iteration: int, loss_dict: dict) -> None:
+    session = _session()
+    if session is not None:
+        session.after_step(iteration, loss_dict)

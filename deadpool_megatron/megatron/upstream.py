@@ -1,0 +1,116 @@
+"""Megatron-LM's own training code (`megatron.training`, from a Megatron-LM checkout) as DeadPool
+sees it: its command line, its global state, and where a hot-swap sets its loop's position.
+
+The only module that touches `megatron.training`; imported only by a patched Megatron-LM
+(`patches/`), so the project itself never needs a Megatron-LM checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import JobConfig, data_parallel_size, validate_deadpool
+from ..errors import ConfigError
+from ..flags import add_config_flags, build_job_config
+from .model import TrainState
+from .parallel import destroy_distributed
+
+# Megatron-LM's flags DeadPool reads too, under their JobConfig field names (same spelling).
+_SHARED_FLAGS: tuple[tuple[str, type | None, object], ...] = (
+    ("--tensor-model-parallel-size", int, 1),
+    ("--pipeline-model-parallel-size", int, 1),
+    ("--micro-batch-size", int, None),
+    ("--global-batch-size", int, None),
+    ("--train-iters", int, None),
+    ("--seed", int, 1234),
+    ("--save", str, None),
+    ("--load", str, None),
+    ("--save-interval", int, None),
+    ("--distributed-timeout-minutes", int, 10),
+    ("--use-distributed-optimizer", None, False),
+)
+METRICS_FLAG = "--deadpool-metrics-jsonl"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's extra-arguments hook: the --deadpool* flags, help text included."""
+    add_config_flags(parser, groups=("deadpool",))
+    parser.add_argument(
+        METRICS_FLAG,
+        default=None,
+        metavar="FILE",
+        help="Write each iteration's exact loss and the final state digest as JSON lines.",
+    )
+    return parser
+
+
+def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
+    """DeadPool's view of a Megatron-LM command line; raises ConfigError naming a bad value.
+    Megatron-LM parses and checks the rest itself."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag, kind, default in _SHARED_FLAGS:
+        if kind is None:
+            parser.add_argument(flag, action="store_true", default=default)
+        else:
+            parser.add_argument(flag, type=kind, default=default)
+    add_arguments(parser)
+    ns, _ = parser.parse_known_args(argv)
+    if "--inprocess-restart" in argv:
+        raise ConfigError(
+            "--inprocess-restart and --deadpool both recover a failed job in-process; use one"
+        )
+    ns.metrics_jsonl = ns.deadpool_metrics_jsonl
+    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}; use a world size that is a multiple of {tp * pp}"
+        )
+    dp = world_size // (tp * pp)
+    if ns.micro_batch_size is None or ns.train_iters is None:
+        raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size and --train-iters")
+    if ns.global_batch_size is None:
+        ns.global_batch_size = ns.micro_batch_size * dp
+    cfg = build_job_config(ns)
+    validate_deadpool(cfg, data_parallel_size(cfg, world_size))
+    return cfg
+
+
+def reset_global_state() -> None:
+    """Before Megatron-LM's pretrain() runs again in this process: its globals (arguments,
+    timers, microbatch calculator, buffers, parallel state, rerun machine) and every group."""
+    from megatron.training.training import destroy_global_state
+
+    destroy_global_state()
+    destroy_distributed()
+
+
+def train_state(model: list, optimizer, scheduler) -> TrainState:
+    from megatron.core.utils import get_model_config
+
+    return TrainState(list(model), optimizer, scheduler, get_model_config(model[0]))
+
+
+def set_position(iteration: int) -> None:
+    """Make Megatron-LM's loop (and data loader) go on after `iteration`: train() starts from
+    args.iteration, the sampler from args.consumed_train_samples."""
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    if args.rampup_batch_size is not None:
+        raise ConfigError(
+            "--rampup-batch-size is not supported with --deadpool: the samples consumed by "
+            "an iteration must not depend on where the batch size ramp stood"
+        )
+    args.iteration = iteration
+    args.consumed_train_samples = iteration * args.global_batch_size
+
+
+def loss_value(loss_dict: dict) -> float | None:
+    """The iteration's language-model loss, exact, where it is known (last pipeline stage)."""
+    value = loss_dict.get("lm loss") if loss_dict else None
+    if value is None:
+        return None
+    if isinstance(value, (tuple, list)):  # (sum, count) in some releases
+        value = value[0] / value[1]
+    return float(value)

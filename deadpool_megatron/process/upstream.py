@@ -1,0 +1,305 @@
+"""One process of a patched Megatron-LM job (its own `pretrain_gpt.py`) under DeadPool.
+
+Megatron-LM's `pretrain()` builds everything itself: arguments, torch.distributed and the
+model-parallel groups, model, optimizer, data iterators, then its training loop. A hot-swap
+therefore runs `pretrain()` again in the same process (Megatron-LM's in-process restart does
+the same), on the new generation's store prefix: every rank of the generation, survivors and
+the claimed spare alike, takes the same path through it, so their collectives match. Between
+set-up and the loop, `after_setup` restores the state of the plan's iteration (own snapshot,
+or parameters from a DP peer and the optimizer shard from the ring replica) and sets the
+loop's position, so training goes on from the last completed iteration with the same data.
+
+Stages 1-3 and 5-7 of a recovery are recovery/stages.py's, shared with our own loop; only
+building the groups and the model (stage 4) is Megatron-LM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch.distributed as dist
+
+from ..checkpoint.pipeline import ProtectionPipeline
+from ..config import JobConfig
+from ..control.client import ControlClient, connect, control_ports
+from ..control.context import JobContext
+from ..failure.hang import HangPolicy
+from ..failure.progress import ProgressBoard
+from ..megatron import cpu_backend, upstream
+from ..megatron.checkpointing import materialize_optimizer_state
+from ..megatron.digest import state_digest
+from ..megatron.model import TrainState
+from ..metrics import MetricsWriter
+from ..recovery.abort import CommunicatorAbort
+from ..recovery.plan import RecoveryPlan
+from ..recovery.stages import ProcessRecovery, Rebuilt, RecoveryFailed, Superseded
+from ..runtime import ProcessEnv
+from .guard import Guard
+from .watcher import OrderWatcher
+from .worker import Takeover, _protect, open_store
+
+log = logging.getLogger("deadpool.upstream")
+
+_CURRENT: list[UpstreamSession] = []  # the session the hooks (hooks.py) reach, while it runs
+
+
+def current() -> UpstreamSession | None:
+    return _CURRENT[-1] if _CURRENT else None
+
+
+@contextlib.contextmanager
+def serving(session: UpstreamSession) -> Iterator[None]:
+    """Route the hook API's calls to `session` while the block runs."""
+    _CURRENT.append(session)
+    try:
+        yield
+    finally:
+        _CURRENT.remove(session)
+
+
+@dataclass
+class LoopPosition:
+    """What the recovery stages need of a training loop (the Trainer's narrow interface):
+    the newest completed iteration, the state it trains and the protection pipeline."""
+
+    on_gpu: bool
+    iteration: int = 0
+    state: TrainState | None = None
+    pipeline: ProtectionPipeline | None = None
+
+    def detach(self) -> ProtectionPipeline | None:
+        pipeline, self.pipeline, self.state = self.pipeline, None, None
+        return pipeline
+
+    def attach(
+        self, state: TrainState, iteration: int, pipeline: ProtectionPipeline | None = None
+    ) -> None:
+        self.state, self.iteration, self.pipeline = state, iteration, pipeline
+        upstream.set_position(iteration)
+
+
+@dataclass
+class _Pending:
+    """A recovery whose groups and model Megatron-LM's pretrain() is building."""
+
+    plan: RecoveryPlan
+    old_groups: list
+    reset_s: float  # old groups and Megatron-LM's globals gone, the generation met
+    started: float = field(default_factory=time.perf_counter)
+
+
+class UpstreamSession:
+    """Drives pretrain() through failures and answers the hooks of patched Megatron-LM."""
+
+    def __init__(self, cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None):
+        self.cfg = cfg
+        self.env = env
+        self.progress = ProgressBoard(env.progress_file)
+        self.progress.mark(0, "start")
+        self.position = LoopPosition(on_gpu=not cpu_backend.should_activate(False))
+        if not self.position.on_gpu:
+            cpu_backend.activate()
+        self.store = open_store(env, cfg)
+        dpc = cfg.deadpool
+        if takeover is not None:
+            ctx, client = takeover.ctx, takeover.client
+        else:
+            ctx = connect(env, dpc)
+            client = ControlClient(ctx, env.fault_scope)
+            client.register_worker(env.rank)
+        self.ctx: JobContext = ctx
+        self.guard = Guard(cfg, env, ctx, client, self.progress)
+        self.recovery = ProcessRecovery(
+            cfg, env, ctx, self.store, self.progress,
+            CommunicatorAbort(control_ports(env, dpc)),
+            protect=partial(_protect, cfg, env, self.guard),
+            report=self.guard.report, inject=self.guard.inject,
+        )  # fmt: skip
+        self.watcher: OrderWatcher | None = None
+        if dpc.deadpool:
+            self.watcher = OrderWatcher(
+                ctx, self.recovery.abort.abort, self.progress, HangPolicy.from_config(dpc),
+                recovering=lambda: self.recovery.active,
+            )  # fmt: skip
+            self.watcher.start()
+        self.takeover = takeover
+        self.pending: _Pending | None = None
+        self.metrics: MetricsWriter | None = None
+        self._step_started = 0.0
+
+    # -- the process ---------------------------------------------------------------------------
+    def run(self, pretrain: Callable, args: tuple, kwargs: dict) -> int:
+        plan = None
+        if self.takeover is not None:
+            plan = self.recovery.takeover_plan(self.takeover.generation)
+        while True:
+            try:
+                if plan is not None:
+                    started = time.perf_counter()
+                    upstream.reset_global_state()
+                    old_groups = self.recovery.reset_communicators(plan)
+                    self.pending = _Pending(plan, old_groups, time.perf_counter() - started)
+                generation = plan.generation if plan is not None else 0
+                store = dist.PrefixStore(self.ctx.store_prefix(generation), self.store)
+                pretrain(*args, **{**kwargs, "store": store})
+                break
+            except RecoveryFailed as lost:
+                return self._lost(lost)
+            except Exception as err:
+                if not self.cfg.deadpool.deadpool:
+                    return self.guard.failed(err)
+                try:
+                    plan = self._next_plan(err)
+                except RecoveryFailed as lost:
+                    return self._lost(lost)
+        self._finish()
+        return 0
+
+    def _next_plan(self, err: Exception) -> RecoveryPlan:
+        if self.takeover is not None:  # a spare holds nothing: the agent seats the next one
+            raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {err}") from err
+        if isinstance(err, Superseded):  # met in the rendezvous: that generation is spent
+            log.info("%s; recovering into the newer generation", err)
+        elif self.pending is not None:  # it failed before the state was restored
+            self.recovery.failed_attempt(self.pending.plan.generation, err, self.position)
+        else:
+            self.recovery.interrupted(self.position, err)
+        self.pending = None
+        return self.recovery.next_plan()
+
+    def _lost(self, lost: RecoveryFailed) -> int:
+        log.error("cannot recover: %s", lost)
+        self._close()
+        return 1
+
+    def _finish(self) -> None:
+        p = self.position
+        digest = state_digest(p.state.model, p.state.optimizer)
+        if self.metrics is not None:
+            self.metrics.final(p.iteration, digest)
+            self.metrics.close()
+        if dist.get_rank() == dist.get_world_size() - 1:
+            log.info("training finished at iteration %d, state_digest %s", p.iteration, digest)
+        if p.pipeline is not None:
+            p.pipeline.close()
+        self._close()
+        upstream.reset_global_state()
+
+    def _close(self) -> None:
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.guard.close()
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def after_setup(self, model: list, optimizer, scheduler) -> None:
+        """Model and optimizer are built: restore the plan's state (after a failure) or start
+        from what Megatron-LM loaded; protect it from here on."""
+        if not self.position.on_gpu:
+            cpu_backend.patch_loaded_modules()  # modules Megatron-LM imported lazily
+        state = upstream.train_state(model, optimizer, scheduler)
+        if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
+            self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
+        pending, self.pending = self.pending, None
+        if pending is None:
+            from megatron.training.global_vars import get_args
+
+            pipeline = None
+            if self.cfg.deadpool.deadpool:
+                pipeline = _protect(self.cfg, self.env, self.guard, state,
+                                    self.position.on_gpu, 0)  # fmt: skip
+            self.position.attach(state, get_args().iteration, pipeline)
+            return
+        plan = pending.plan
+        materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
+        self.recovery.inject_recovery_fault()
+        phases = {  # the model's share: Megatron-LM's set-up run again, groups included
+            "rebuild_communicators": pending.reset_s,
+            "rebuild_model": time.perf_counter() - pending.started,
+        }
+        try:
+            rebuilt = Rebuilt(self.position, state, self.position.on_gpu, phases,
+                              pending.old_groups)  # fmt: skip
+            self.recovery.complete(plan, rebuilt)
+        except Exception:
+            self.pending = pending  # still this attempt's: a failed attempt, not a new failure
+            raise
+        self.takeover = None  # seated: from here on a failure is recovered like any other
+
+    def before_step(self, iteration: int) -> None:
+        """Iteration `iteration` starts: mark it, obey a stop order, let a fault act."""
+        self._step_started = time.perf_counter()
+        self._phase(iteration, "forward")
+
+    def after_step(self, iteration: int, loss_dict: dict) -> None:
+        """Iteration `iteration` finished its optimizer step: snapshot and replicate it."""
+        p = self.position
+        p.iteration = iteration
+        if p.pipeline is not None:
+            self._phase(iteration, "snapshot")
+            p.pipeline.after_step(iteration)
+        loss = upstream.loss_value(loss_dict)
+        if self.metrics is not None and loss is not None:
+            self.metrics.iteration(
+                iteration, loss, (time.perf_counter() - self._step_started) * 1e3
+            )
+        self.progress.mark(iteration, "done")
+        self.guard.after_warmup(p.on_gpu)
+        self.recovery.after_iteration(p)
+
+    def _phase(self, iteration: int, phase: str) -> None:
+        self.progress.mark(iteration, phase)
+        self.guard.check_stop()
+        self.guard.inject(iteration, phase)
+
+
+def become_worker(
+    pretrain: Callable, args: tuple, kwargs: dict, cfg: JobConfig
+) -> Callable[[ProcessEnv, Takeover], int]:
+    """A claimed spare's way into pretrain(): as the rank it replaces (Megatron-LM reads RANK)."""
+
+    def become(env: ProcessEnv, takeover: Takeover) -> int:
+        import os
+
+        os.environ["RANK"] = str(env.rank)
+        session = UpstreamSession(cfg, env, takeover)
+        with serving(session):
+            return session.run(pretrain, args, kwargs)
+
+    return become
+
+
+def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
+    """`pretrain(*args, **kwargs)` as this process's role asks: answer the launcher's
+    preflight, wait as a spare, or train as a worker; returns the exit status."""
+    import sys
+
+    from ..errors import ConfigError
+    from ..logging_setup import setup_logging
+    from ..runtime import ROLE_SPARE, write_preflight
+    from .spare import run_spare
+
+    env = ProcessEnv.from_environ()
+    try:
+        if not (env.under_launcher or env.preflight):
+            raise ConfigError(
+                "--deadpool with Megatron-LM's pretrain_gpt.py needs deadpool-launch: start it "
+                "with `deadpool-launch --nproc-per-node N [--spares S] pretrain_gpt.py ...`"
+            )
+        cfg = upstream.parse_job_config(argv, env.world_size)
+    except ConfigError as err:
+        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
+        return ConfigError.exit_code
+    if env.preflight:
+        write_preflight(cfg)
+        return 0
+    setup_logging("" if env.under_launcher else f"rank {env.rank}")
+    if env.role == ROLE_SPARE:
+        return run_spare(env, cfg, become=become_worker(pretrain, args, kwargs, cfg))
+    session = UpstreamSession(cfg, env)
+    with serving(session):
+        return session.run(pretrain, args, kwargs)

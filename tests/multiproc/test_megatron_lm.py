@@ -1,0 +1,99 @@
+"""Megatron-LM's own pretrain_gpt.py, patched (patches/), trains on CPU/gloo under
+deadpool-launch; a rank killed mid-run is hot-swapped by a spare and every per-iteration loss
+and the final state digest equal the same job without the failure.
+
+Needs a Megatron-LM checkout (git clone https://github.com/NVIDIA/Megatron-LM) named by
+MEGATRON_LM_DIR, and the Python modules its pretrain_gpt.py imports (six, regex, pydantic,
+pybind11, triton); skips, saying why, without them. The checkout is not touched: the tag is
+cloned into a temporary folder and patched there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from deadpool_megatron.metrics import read_metrics
+from jobs import JOB_TIMEOUT_S, ROOT
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
+
+TAG = "core_v0.16.1"
+# A small GPT on Megatron-LM's mock data, every CUDA-only fusion off, 4 ranks as PP2 x DP2.
+MODEL = shlex.split(
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 12 "
+    "--lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --split 100,0,0 "
+    "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
+    "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
+    "--no-persist-layer-norm --use-cpu-initialization --use-distributed-optimizer "
+    "--attention-dropout 0 --hidden-dropout 0 --eval-iters 0 --eval-interval 1000 "
+    "--log-interval 1 --pipeline-model-parallel-size 2 --deadpool "
+    "--deadpool-heartbeat-interval 0.5 --deadpool-heartbeat-timeout 2.0"
+)
+NEEDED = ("six", "regex", "pydantic", "pybind11", "triton")
+
+
+@pytest.fixture(scope="module")
+def megatron_lm(tmp_path_factory) -> Path:
+    source = os.environ.get("MEGATRON_LM_DIR")
+    if not source:
+        pytest.skip(
+            "MEGATRON_LM_DIR is not set: this test needs a Megatron-LM checkout "
+            f"(git clone https://github.com/NVIDIA/Megatron-LM; tag {TAG})"
+        )
+    missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"Megatron-LM's pretrain_gpt.py needs modules missing here: {missing}")
+    checkout = tmp_path_factory.mktemp("megatron-lm") / "Megatron-LM"
+    is_git = subprocess.run(["git", "-C", source, "rev-parse", "--git-dir"],
+                            capture_output=True).returncode == 0  # fmt: skip
+    if is_git:  # a clone, or a bare mirror
+        subprocess.run(["git", "clone", "-q", "--branch", TAG, source, str(checkout)], check=True)
+    else:
+        shutil.copytree(source, checkout)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "apply_megatron_patch.sh"), str(checkout)],
+        capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "applied: 0002-training-deadpool-hooks.patch" in done.stdout
+    return checkout
+
+
+def _run(checkout: Path, tmp_path: Path, name: str, extra: list[str]) -> tuple[dict, dict, str]:
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [
+        sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
+        "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
+        *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
+    output = done.stdout + done.stderr
+    (tmp_path / f"{name}.log").write_text(output)
+    assert done.returncode == 0, output[-6000:]
+    losses, final = read_metrics(str(metrics))
+    return losses, final, output
+
+
+def test_upstream_pretrain_gpt_hot_swaps_a_killed_rank_bitwise(megatron_lm, tmp_path):
+    losses, final, _ = _run(megatron_lm, tmp_path, "failure_free", [])
+    assert sorted(losses) == list(range(1, 13)) and final["iteration"] == 12
+    events = tmp_path / "events.jsonl"
+    killed_losses, killed_final, output = _run(
+        megatron_lm, tmp_path, "killed",
+        ["--deadpool-inject", "kill@1:7", "--deadpool-event-log", str(events)],
+    )  # fmt: skip
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert "roll back to iteration 6" in output or "roll back to iteration 7" in output
+    assert killed_losses == losses
+    assert killed_final["state_digest"] == final["state_digest"]

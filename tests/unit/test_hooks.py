@@ -1,0 +1,87 @@
+"""The hook API patched Megatron-LM calls: a no-op without --deadpool, DeadPool's flags in
+Megatron-LM's parser, DeadPool's view of a Megatron-LM command line, and a patch series that
+adds nothing but calls into it."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+import pytest
+
+from deadpool_megatron import hooks
+from deadpool_megatron.errors import ConfigError
+from deadpool_megatron.megatron.upstream import parse_job_config
+from deadpool_megatron.runtime import ENV_ROLE
+
+PATCHES = Path(__file__).resolve().parents[2] / "patches"
+BASE = shlex.split("--micro-batch-size 2 --train-iters 10 --use-distributed-optimizer")
+
+
+def pretrain(*args, **kwargs):
+    return "trained"
+
+
+def test_without_deadpool_pretrain_is_returned_unchanged(monkeypatch):
+    monkeypatch.delenv(ENV_ROLE, raising=False)
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    assert hooks.wrap_pretrain(pretrain) is pretrain
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--deadpool"])
+    assert hooks.wrap_pretrain(pretrain) is not pretrain
+
+
+def test_hooks_do_nothing_without_a_session():
+    hooks.after_setup(None, None, None)
+    hooks.before_step(3)
+    hooks.after_step(4, {"lm loss": 1.0})
+
+
+def test_extra_args_provider_adds_deadpool_flags_after_the_scripts_own():
+    seen = []
+
+    def inner(parser):
+        seen.append(parser)
+        parser.add_argument("--modelopt-thing", type=int)
+        return parser
+
+    parser = hooks.extra_args_provider(inner)(argparse.ArgumentParser())
+    ns = parser.parse_args(["--deadpool", "--deadpool-replicas", "1", "--modelopt-thing", "3"])
+    assert seen and ns.deadpool is True and ns.deadpool_replicas == 1 and ns.modelopt_thing == 3
+
+
+def test_parse_job_config_reads_the_shared_megatron_flags():
+    argv = [*BASE, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+            "--deadpool", "--hidden-size", "64", "--deadpool-metrics-jsonl", "m.jsonl"]  # fmt: skip
+    cfg = parse_job_config(argv, world_size=4)
+    assert cfg.parallel.pipeline_model_parallel_size == 2
+    assert cfg.training.global_batch_size == 4  # Megatron-LM's default: micro x data-parallel
+    assert cfg.deadpool.deadpool and cfg.logging.metrics_jsonl == "m.jsonl"
+
+
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        ([*BASE, "--pipeline-model-parallel-size", "3"], 4, "not divisible"),
+        (["--train-iters", "10", "--deadpool"], 4, "--micro-batch-size"),
+        ([*BASE, "--deadpool", "--inprocess-restart"], 4, "--inprocess-restart"),
+        (["--micro-batch-size", "2", "--train-iters", "10", "--deadpool"], 4,
+         "--use-distributed-optimizer"),
+        ([*BASE, "--deadpool", "--pipeline-model-parallel-size", "4"], 4, "data-parallel size"),
+    ],
+)  # fmt: skip
+def test_parse_job_config_names_the_bad_value(argv, world, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_job_config(argv, world)
+
+
+def test_the_patch_series_adds_only_calls_into_deadpool():
+    patches = sorted(PATCHES.glob("megatron-lm-*/*.patch"))
+    assert patches
+    for patch in patches:
+        for line in patch.read_text().splitlines():
+            if line.startswith("-") and not line.startswith("---"):
+                raise AssertionError(f"{patch.name} removes a line: {line}")
+            if line.startswith("+") and not line.startswith("+++"):
+                code = line[1:].strip()
+                assert not code or code.startswith("#") or "deadpool" in code, (patch.name, line)
