@@ -16,8 +16,10 @@ Patched Megatron-LM (`patches/`) calls exactly these, at these points:
 Without a session (no --deadpool) every hook returns at once: patched Megatron-LM then
 behaves exactly as unpatched. Importing this module is cheap: no torch, no megatron.
 
-The session is process-wide (process/upstream.py's `current()`), set for the duration of the
-run: hooks are called from deep inside Megatron-LM's functions, where nothing can be passed in.
+Our own loop (megatron/training.py's Trainer) calls the same methods on the same object,
+handed to it (process/session.py's ProtectedLoop). For Megatron-LM the session is process-wide
+(process/session.py's `current()`), set for the duration of the run: it calls these from deep
+inside its own functions, where nothing can be passed in.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import sys
 from collections.abc import Callable
 
-_SESSIONS = "deadpool_megatron.process.upstream"
+_SESSIONS = "deadpool_megatron.process.session"
 
 
 def _session():

@@ -73,12 +73,14 @@ def job_flags(a: argparse.Namespace) -> list[str]:
 def run_worker(a: argparse.Namespace, job: list[str]) -> int:
     import torch.distributed as dist
 
+    from deadpool_megatron.failure.progress import ProgressBoard
     from deadpool_megatron.logging_setup import setup_logging
     from deadpool_megatron.megatron import parallel
     from deadpool_megatron.megatron.arguments import parse_job_args
     from deadpool_megatron.megatron.model import build_train_state
-    from deadpool_megatron.megatron.training import LoopHooks, Trainer
+    from deadpool_megatron.megatron.training import Trainer
     from deadpool_megatron.process.protection import build_pipeline
+    from deadpool_megatron.process.session import ProtectedLoop
     from deadpool_megatron.process.worker import open_store
     from deadpool_megatron.runtime import ProcessEnv
 
@@ -104,8 +106,9 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
         pipeline.enabled = nxt
         last[0], last[1] = time.perf_counter(), time.process_time()
 
-    hooks = LoopHooks(after_iteration=on_iteration)
-    trainer = Trainer(cfg, state, env.world_size, on_gpu, hooks=hooks, pipeline=pipeline)
+    session = ProtectedLoop(ProgressBoard(), after_iteration=on_iteration)
+    trainer = Trainer(cfg, state, env.world_size, on_gpu, hooks=session, pipeline=pipeline)
+    session.bind(trainer)
     trainer.train()
     pipeline.close()
     mine = {

@@ -37,6 +37,13 @@ class TrainState:
     transformer_config: TransformerConfig
 
 
+def train_state(model: list, optimizer, scheduler) -> TrainState:
+    """The state of a model built elsewhere (by Megatron-LM's set-up, say)."""
+    from megatron.core.utils import get_model_config
+
+    return TrainState(list(model), optimizer, scheduler, get_model_config(model[0]))
+
+
 def params_dtype(cfg: JobConfig) -> torch.dtype:
     if cfg.training.bf16:
         return torch.bfloat16

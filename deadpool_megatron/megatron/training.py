@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -21,7 +19,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig, data_parallel_size
-from ..failure.progress import ProgressBoard
 from ..metrics import MetricsWriter, iteration_line
 from . import checkpointing, gloo_ops
 from .data import build_corpus, get_micro_batch, micro_batch_indices
@@ -47,31 +44,31 @@ def forward_step(data_iterator, model, on_backward=None):
     return output, partial(loss_func, batch["loss_mask"])
 
 
-def _no_fault(iteration: int, phase: str) -> None:
-    pass
-
-
-def _go_on() -> None:
-    pass
-
-
-def _nothing_after(trainer: Trainer) -> None:
-    pass
-
-
-@dataclass(frozen=True)
 class LoopHooks:
-    """What the training loop calls besides training, each a no-op by default.
+    """The hook API (deadpool_megatron/hooks.py) as one training loop's object: what the loop
+    calls besides training, each a no-op here. Patched Megatron-LM calls `after_setup`,
+    `before_step` and `after_step`; our loop calls those too, plus `phase` at its finer
+    boundaries (backward, optimizer: progress mark, stop order, fault) and `mark`/`inject`
+    around a save (a fault there strikes after the shards are written, before the commit).
+    process/session.py's ProtectedLoop is the implementation both loops get."""
 
-    At every phase boundary (forward, backward, optimizer, snapshot) the loop marks its
-    progress, then calls `check_stop()`, which raises when a recovery was ordered (an explicit
-    step of the loop: a stop order is obeyed at the next boundary), then `inject(iteration,
-    phase)` (fault injection). `after_iteration(trainer)` runs after each iteration's
-    bookkeeping."""
+    def after_setup(self, model: list, optimizer, scheduler) -> None:
+        pass
 
-    check_stop: Callable[[], None] = _go_on
-    inject: Callable[[int, str], None] = _no_fault
-    after_iteration: Callable[[Trainer], None] = _nothing_after
+    def before_step(self, iteration: int) -> None:
+        """Iteration `iteration + 1` starts (`iteration` were completed)."""
+
+    def phase(self, iteration: int, name: str) -> None:
+        pass
+
+    def after_step(self, iteration: int, loss: float | dict | None) -> None:
+        """Iteration `iteration` took its optimizer step."""
+
+    def mark(self, iteration: int, name: str) -> None:
+        pass
+
+    def inject(self, iteration: int, name: str) -> None:
+        pass
 
 
 class Trainer:
@@ -88,15 +85,12 @@ class Trainer:
         state: TrainState,
         world_size: int,
         on_gpu: bool,
-        progress: ProgressBoard | None = None,
         hooks: LoopHooks | None = None,
         iteration: int = 0,
         pipeline: ProtectionPipeline | None = None,
     ):
         self.cfg = cfg
         self.hooks = hooks or LoopHooks()
-        # Phase boundaries, marked where the agent can read them without this process's GIL.
-        self.progress = progress or ProgressBoard()
         self.on_gpu = on_gpu
         self.dp_size = data_parallel_size(cfg, world_size)
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -141,7 +135,7 @@ class Trainer:
         # megatron-core counts the function's parameters to decide how to call it: keep two.
         def step(data_iterator, model):
             return forward_step(
-                data_iterator, model, on_backward=lambda: self._phase(iteration, "backward")
+                data_iterator, model, on_backward=lambda: self.hooks.phase(iteration, "backward")
             )
 
         return step
@@ -150,7 +144,6 @@ class Trainer:
         """Run iteration self.iteration + 1; returns the DP-averaged loss on the last stage."""
         s = self.state
         current = self.iteration + 1
-        self._phase(current, "forward")
         batches = self._micro_batches(self.iteration)
         iterators = [iter(batches) for _ in s.model]
         for chunk in s.model:
@@ -165,7 +158,7 @@ class Trainer:
             micro_batch_size=self.cfg.training.micro_batch_size,
             forward_only=False,
         )
-        self._phase(current, "optimizer")
+        self.hooks.phase(current, "optimizer")
         update_successful, _grad_norm, _zeros = s.optimizer.step()
         if update_successful:
             s.scheduler.step(increment=1)
@@ -182,10 +175,9 @@ class Trainer:
         last = min(t.train_iters, t.exit_interval or t.train_iters)
         while self.iteration < last:
             start = time.perf_counter()
+            self.hooks.before_step(self.iteration)
             loss = self.train_step()
-            if self.pipeline is not None:
-                self._phase(self.iteration, "snapshot")
-                self.pipeline.after_step(self.iteration)
+            self.hooks.after_step(self.iteration, loss)  # the snapshot and its ring replica
             elapsed_ms = (time.perf_counter() - start) * 1000.0
             if self.is_logging_rank and loss is not None:
                 self.metrics.iteration(self.iteration, loss, elapsed_ms)
@@ -207,7 +199,7 @@ class Trainer:
                 self.async_queue.maybe_finalize_async_calls(blocking=False)
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 it = self.iteration
-                self.progress.mark(it, "save")
+                self.hooks.mark(it, "save")
                 checkpointing.save(
                     self.cfg,
                     self.state,
@@ -215,14 +207,6 @@ class Trainer:
                     lambda it=it: self.hooks.inject(it, "save"),
                     self.async_queue,
                 )
-            self.progress.mark(self.iteration, "done")
-            self.hooks.after_iteration(self)
-
-    def _phase(self, iteration: int, phase: str) -> None:
-        """A phase boundary: mark the progress, obey a stop order, let a fault act."""
-        self.progress.mark(iteration, phase)
-        self.hooks.check_stop()
-        self.hooks.inject(iteration, phase)
 
     def detach(self) -> ProtectionPipeline | None:
         """After a failure: give up the state (the old model, DDP and optimizer hold the old

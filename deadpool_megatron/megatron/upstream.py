@@ -12,7 +12,6 @@ import argparse
 from ..config import JobConfig, data_parallel_size, validate_deadpool
 from ..errors import ConfigError
 from ..flags import add_config_flags, build_job_config
-from .model import TrainState
 from .parallel import destroy_distributed
 
 # Megatron-LM's flags DeadPool reads too, under their JobConfig field names (same spelling).
@@ -83,12 +82,6 @@ def reset_global_state() -> None:
 
     destroy_global_state()
     destroy_distributed()
-
-
-def train_state(model: list, optimizer, scheduler) -> TrainState:
-    from megatron.core.utils import get_model_config
-
-    return TrainState(list(model), optimizer, scheduler, get_model_config(model[0]))
 
 
 def set_position(iteration: int) -> None:

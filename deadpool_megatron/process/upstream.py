@@ -15,10 +15,9 @@ building the groups and the model (stage 4) is Megatron-LM's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -33,33 +32,18 @@ from ..failure.progress import ProgressBoard
 from ..megatron import cpu_backend, upstream
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
-from ..megatron.model import TrainState
+from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
 from ..recovery.abort import CommunicatorAbort
 from ..recovery.plan import RecoveryPlan
 from ..recovery.stages import ProcessRecovery, Rebuilt, RecoveryFailed, Superseded
 from ..runtime import ProcessEnv
 from .guard import Guard
+from .session import ProtectedLoop, serving
 from .watcher import OrderWatcher
 from .worker import Takeover, _protect, open_store
 
 log = logging.getLogger("deadpool.upstream")
-
-_CURRENT: list[UpstreamSession] = []  # the session the hooks (hooks.py) reach, while it runs
-
-
-def current() -> UpstreamSession | None:
-    return _CURRENT[-1] if _CURRENT else None
-
-
-@contextlib.contextmanager
-def serving(session: UpstreamSession) -> Iterator[None]:
-    """Route the hook API's calls to `session` while the block runs."""
-    _CURRENT.append(session)
-    try:
-        yield
-    finally:
-        _CURRENT.remove(session)
 
 
 @dataclass
@@ -75,6 +59,10 @@ class LoopPosition:
     def detach(self) -> ProtectionPipeline | None:
         pipeline, self.pipeline, self.state = self.pipeline, None, None
         return pipeline
+
+    def completed(self, iteration: int) -> None:
+        """Megatron-LM's loop finished `iteration` (it keeps the count itself)."""
+        self.iteration = iteration
 
     def attach(
         self, state: TrainState, iteration: int, pipeline: ProtectionPipeline | None = None
@@ -93,16 +81,16 @@ class _Pending:
     started: float = field(default_factory=time.perf_counter)
 
 
-class UpstreamSession:
+class UpstreamSession(ProtectedLoop):
     """Drives pretrain() through failures and answers the hooks of patched Megatron-LM."""
 
     def __init__(self, cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None):
         self.cfg = cfg
         self.env = env
-        self.progress = ProgressBoard(env.progress_file)
-        self.progress.mark(0, "start")
-        self.position = LoopPosition(on_gpu=not cpu_backend.should_activate(False))
-        if not self.position.on_gpu:
+        progress = ProgressBoard(env.progress_file)
+        progress.mark(0, "start")
+        position = LoopPosition(on_gpu=not cpu_backend.should_activate(False))
+        if not position.on_gpu:
             cpu_backend.activate()
         self.store = open_store(env, cfg)
         dpc = cfg.deadpool
@@ -113,13 +101,14 @@ class UpstreamSession:
             client = ControlClient(ctx, env.fault_scope)
             client.register_worker(env.rank)
         self.ctx: JobContext = ctx
-        self.guard = Guard(cfg, env, ctx, client, self.progress)
-        self.recovery = ProcessRecovery(
-            cfg, env, ctx, self.store, self.progress,
-            CommunicatorAbort(control_ports(env, dpc)),
-            protect=partial(_protect, cfg, env, self.guard),
-            report=self.guard.report, inject=self.guard.inject,
+        guard = Guard(cfg, env, ctx, client, progress)
+        protect = partial(_protect, cfg, env, guard)
+        recovery = ProcessRecovery(
+            cfg, env, ctx, self.store, progress, CommunicatorAbort(control_ports(env, dpc)),
+            protect=protect, report=guard.report, inject=guard.inject,
         )  # fmt: skip
+        super().__init__(progress, guard, recovery, protect if dpc.deadpool else None)
+        self.bind(position)
         self.watcher: OrderWatcher | None = None
         if dpc.deadpool:
             self.watcher = OrderWatcher(
@@ -201,18 +190,14 @@ class UpstreamSession:
         from what Megatron-LM loaded; protect it from here on."""
         if not self.position.on_gpu:
             cpu_backend.patch_loaded_modules()  # modules Megatron-LM imported lazily
-        state = upstream.train_state(model, optimizer, scheduler)
+        state = train_state(model, optimizer, scheduler)
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
         if pending is None:
             from megatron.training.global_vars import get_args
 
-            pipeline = None
-            if self.cfg.deadpool.deadpool:
-                pipeline = _protect(self.cfg, self.env, self.guard, state,
-                                    self.position.on_gpu, 0)  # fmt: skip
-            self.position.attach(state, get_args().iteration, pipeline)
+            self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
             return
         plan = pending.plan
         materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
@@ -231,30 +216,16 @@ class UpstreamSession:
         self.takeover = None  # seated: from here on a failure is recovered like any other
 
     def before_step(self, iteration: int) -> None:
-        """Iteration `iteration` starts: mark it, obey a stop order, let a fault act."""
         self._step_started = time.perf_counter()
-        self._phase(iteration, "forward")
+        super().before_step(iteration)
 
     def after_step(self, iteration: int, loss_dict: dict) -> None:
-        """Iteration `iteration` finished its optimizer step: snapshot and replicate it."""
-        p = self.position
-        p.iteration = iteration
-        if p.pipeline is not None:
-            self._phase(iteration, "snapshot")
-            p.pipeline.after_step(iteration)
+        self.position.completed(iteration)
+        super().after_step(iteration, loss_dict)
         loss = upstream.loss_value(loss_dict)
         if self.metrics is not None and loss is not None:
-            self.metrics.iteration(
-                iteration, loss, (time.perf_counter() - self._step_started) * 1e3
-            )
-        self.progress.mark(iteration, "done")
-        self.guard.after_warmup(p.on_gpu)
-        self.recovery.after_iteration(p)
-
-    def _phase(self, iteration: int, phase: str) -> None:
-        self.progress.mark(iteration, phase)
-        self.guard.check_stop()
-        self.guard.inject(iteration, phase)
+            elapsed_ms = (time.perf_counter() - self._step_started) * 1e3
+            self.metrics.iteration(iteration, loss, elapsed_ms)
 
 
 def become_worker(

@@ -21,12 +21,13 @@ from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
 from ..megatron.model import TrainState, build_train_state
-from ..megatron.training import LoopHooks, Trainer
+from ..megatron.training import Trainer
 from ..recovery.abort import CommunicatorAbort
 from ..recovery.stages import ProcessRecovery, RecoveryFailed
 from ..runtime import ProcessEnv
 from .guard import Guard
 from .protection import build_pipeline
+from .session import ProtectedLoop
 from .watcher import OrderWatcher
 
 log = logging.getLogger("deadpool.worker")
@@ -87,7 +88,10 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
                 recovering=lambda: recovery.active,
             )  # fmt: skip
             watcher.start()
-    make_trainer = partial(_trainer, cfg, env, progress, _loop_hooks(guard, recovery))
+    session = ProtectedLoop(
+        progress, guard, recovery, partial(_protect, cfg, env, guard) if dpc.deadpool else None
+    )
+    make_trainer = partial(_trainer, cfg, env, session)
     if takeover is not None:
         trainer = recovery.take_over(takeover.generation, make_trainer)
     else:
@@ -125,14 +129,14 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
 def _trainer(
     cfg: JobConfig,
     env: ProcessEnv,
-    progress: ProgressBoard,
-    hooks: LoopHooks,
+    session: ProtectedLoop,
     state: TrainState,
     on_gpu: bool,
     iteration: int = 0,
-    pipeline: ProtectionPipeline | None = None,
 ) -> Trainer:
-    return Trainer(cfg, state, env.world_size, on_gpu, progress, hooks, iteration, pipeline)
+    trainer = Trainer(cfg, state, env.world_size, on_gpu, session, iteration)
+    session.bind(trainer)
+    return trainer
 
 
 def _protect(
@@ -148,17 +152,6 @@ def _protect(
     if guard is None:
         return build_pipeline(cfg, state, env, on_gpu, generation)
     return build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send, guard.report)
-
-
-def _loop_hooks(guard: Guard | None, recovery: ProcessRecovery | None) -> LoopHooks:
-    if guard is None:
-        return LoopHooks()
-
-    def after_iteration(trainer: Trainer) -> None:
-        guard.after_warmup(trainer.on_gpu)  # warm-up is over after the first iteration
-        recovery.after_iteration(trainer)
-
-    return LoopHooks(guard.check_stop, guard.inject, after_iteration)
 
 
 def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, guard: Guard | None) -> Trainer:
@@ -179,8 +172,9 @@ def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, guard: Guard | 
         if guard is not None and env.rank == 0:
             guard.events.emit(CHECKPOINT_LOADED, iteration=iteration,
                               load_s=time.perf_counter() - t)  # fmt: skip
-    pipeline = _protect(cfg, env, guard, state, on_gpu, 0) if cfg.deadpool.deadpool else None
-    return make_trainer(state, on_gpu, iteration, pipeline)
+    trainer = make_trainer(state, on_gpu, iteration)
+    trainer.hooks.after_setup(state.model, state.optimizer, state.scheduler)  # protection starts
+    return trainer
 
 
 def _finish(cfg: JobConfig, trainer: Trainer) -> None:

@@ -31,12 +31,14 @@ from deadpool_megatron.checkpoint.restore import (
     send_parameters,
     send_replica,
 )
+from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron import parallel
 from deadpool_megatron.megatron.arguments import parse_job_args
 from deadpool_megatron.megatron.model import build_train_state
-from deadpool_megatron.megatron.training import LoopHooks, Trainer
+from deadpool_megatron.megatron.training import Trainer
 from deadpool_megatron.process.protection import build_pipeline
+from deadpool_megatron.process.session import ProtectedLoop
 from deadpool_megatron.process.worker import open_store
 from deadpool_megatron.runtime import ProcessEnv
 from deadpool_megatron.topology import Topology
@@ -209,10 +211,10 @@ def main() -> int:
     checks = Checks(
         args, Topology(env.world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
     )
-    trainer = Trainer(
-        cfg, state, env.world_size, on_gpu, hooks=LoopHooks(after_iteration=checks),
-        pipeline=build_pipeline(cfg, state, env, on_gpu),
-    )  # fmt: skip
+    session = ProtectedLoop(ProgressBoard(), after_iteration=checks)
+    trainer = Trainer(cfg, state, env.world_size, on_gpu, hooks=session,
+                      pipeline=build_pipeline(cfg, state, env, on_gpu))  # fmt: skip
+    session.bind(trainer)
     trainer.train()
     trainer.pipeline.close()
     trainer.finish()

@@ -1,0 +1,106 @@
+"""What a protected training loop does at each call of the hook API, for our own loop
+(process/worker.py) and patched Megatron-LM's (process/upstream.py) alike.
+
+`ProtectedLoop` implements megatron/training.py's `LoopHooks`: at a phase boundary it marks
+the progress (where the agent reads it), obeys a recovery order and lets an injected fault
+act; after each optimizer step it snapshots the state and hands the optimizer shard to the
+ring, then lets the guard and the recovery do their per-iteration work. The loop's position
+(the newest completed iteration, the state, the protection pipeline) belongs to the loop: our
+Trainer, or upstream.py's LoopPosition.
+
+`serving(session)` makes a session the one hooks.py's module functions reach: patched
+Megatron-LM calls them from deep inside its own functions, where nothing can be passed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+from ..failure.progress import ProgressBoard
+from ..megatron.model import TrainState, train_state
+from ..megatron.training import LoopHooks
+from ..recovery.stages import ProcessRecovery, Protect
+from .guard import Guard
+
+_CURRENT: list[LoopHooks] = []
+
+
+def current() -> LoopHooks | None:
+    """The session hooks.py's functions reach, if one is serving."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
+@contextlib.contextmanager
+def serving(session: LoopHooks) -> Iterator[None]:
+    """Route the hook API's module functions to `session` while the block runs."""
+    _CURRENT.append(session)
+    try:
+        yield
+    finally:
+        _CURRENT.remove(session)
+
+
+class ProtectedLoop(LoopHooks):
+    """DeadPool's side of one training loop. Without a guard (a plain process, or a bench)
+    nothing is reported or injected; without `protect` nothing is snapshotted."""
+
+    def __init__(
+        self,
+        progress: ProgressBoard,
+        guard: Guard | None = None,
+        recovery: ProcessRecovery | None = None,
+        protect: Protect | None = None,
+        after_iteration: Callable[[object], None] | None = None,
+    ):
+        self.progress = progress
+        self.guard = guard
+        self.recovery = recovery
+        self.protect = protect  # None: no --deadpool, nothing to snapshot
+        self._after_iteration = after_iteration  # a bench's or a test's own bookkeeping
+        self.position = None  # the loop: iteration, state, pipeline, attach/detach
+
+    def bind(self, position) -> None:
+        """The loop whose position this session protects (a new one after a takeover)."""
+        self.position = position
+
+    # -- the hook API --------------------------------------------------------------------------
+    def after_setup(self, model: list, optimizer, scheduler) -> None:
+        """Generation 0 is built (and loaded): protect it from the loop's iteration on."""
+        self.start(train_state(model, optimizer, scheduler), self.position.iteration)
+
+    def before_step(self, iteration: int) -> None:
+        self.phase(iteration + 1, "forward")
+
+    def phase(self, iteration: int, name: str) -> None:
+        self.progress.mark(iteration, name)
+        if self.guard is not None:
+            self.guard.check_stop()  # a recovery was ordered: stop at this boundary
+            self.guard.inject(iteration, name)
+
+    def after_step(self, iteration: int, loss) -> None:
+        p = self.position
+        if p.pipeline is not None:
+            self.phase(iteration, "snapshot")
+            p.pipeline.after_step(iteration)
+        self.progress.mark(iteration, "done")
+        if self.guard is not None:
+            self.guard.after_warmup(p.on_gpu)  # warm-up is over after the first iteration
+        if self.recovery is not None:
+            self.recovery.after_iteration(p)
+        if self._after_iteration is not None:
+            self._after_iteration(p)
+
+    def mark(self, iteration: int, name: str) -> None:
+        self.progress.mark(iteration, name)
+
+    def inject(self, iteration: int, name: str) -> None:
+        if self.guard is not None:
+            self.guard.inject(iteration, name)
+
+    # -- shared by the loops -------------------------------------------------------------------
+    def start(self, state: TrainState, iteration: int) -> None:
+        """Generation 0's protection pipeline (collective), attached to the loop."""
+        p = self.position
+        pipeline = None if self.protect is None else self.protect(state, p.on_gpu, 0)
+        p.attach(state, iteration, pipeline)
