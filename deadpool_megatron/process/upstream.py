@@ -19,29 +19,23 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch.distributed as dist
 
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
-from ..control.client import ControlClient, connect, control_ports
 from ..control.context import JobContext
-from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import cpu_backend, upstream
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
-from ..recovery.abort import CommunicatorAbort
 from ..recovery.plan import RecoveryPlan
-from ..recovery.stages import ProcessRecovery, Rebuilt, RecoveryFailed, Superseded
+from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
 from ..runtime import ProcessEnv
-from .guard import Guard
 from .session import ProtectedLoop, serving
-from .watcher import OrderWatcher
-from .worker import Takeover, _protect, open_store
+from .worker import Takeover, open_store, watch
 
 log = logging.getLogger("deadpool.upstream")
 
@@ -93,29 +87,12 @@ class UpstreamSession(ProtectedLoop):
         if not position.on_gpu:
             cpu_backend.activate()
         self.store = open_store(env, cfg)
-        dpc = cfg.deadpool
-        if takeover is not None:
-            ctx, client = takeover.ctx, takeover.client
-        else:
-            ctx = connect(env, dpc)
-            client = ControlClient(ctx, env.fault_scope)
-            client.register_worker(env.rank)
-        self.ctx: JobContext = ctx
-        guard = Guard(cfg, env, ctx, client, progress)
-        protect = partial(_protect, cfg, env, guard)
-        recovery = ProcessRecovery(
-            cfg, env, ctx, self.store, progress, CommunicatorAbort(control_ports(env, dpc)),
-            protect=protect, report=guard.report, inject=guard.inject,
-        )  # fmt: skip
-        super().__init__(progress, guard, recovery, protect if dpc.deadpool else None)
+        guard, recovery, self.watcher = watch(cfg, env, self.store, progress, takeover)
+        self.ctx: JobContext = recovery.ctx
+        super().__init__(
+            progress, guard, recovery, recovery.protect if cfg.deadpool.deadpool else None
+        )
         self.bind(position)
-        self.watcher: OrderWatcher | None = None
-        if dpc.deadpool:
-            self.watcher = OrderWatcher(
-                ctx, self.recovery.abort.abort, self.progress, HangPolicy.from_config(dpc),
-                recovering=lambda: self.recovery.active,
-            )  # fmt: skip
-            self.watcher.start()
         self.takeover = takeover
         self.pending: _Pending | None = None
         self.metrics: MetricsWriter | None = None

@@ -62,6 +62,37 @@ def open_store(env: ProcessEnv, cfg: JobConfig) -> dist.Store:
     return parallel.connect_store(env.master_addr, env.master_port, env.world_size)
 
 
+def watch(
+    cfg: JobConfig,
+    env: ProcessEnv,
+    store: dist.Store,
+    progress: ProgressBoard,
+    takeover: Takeover | None = None,
+) -> tuple[Guard, ProcessRecovery, OrderWatcher | None]:
+    """A worker's guard (registered with the job, or a claimed spare's), its recovery, and,
+    with --deadpool, the watcher of recovery orders (started)."""
+    dpc = cfg.deadpool
+    if takeover is not None:
+        ctx, client = takeover.ctx, takeover.client
+    else:
+        ctx = connect(env, dpc)
+        client = ControlClient(ctx, env.fault_scope)
+        client.register_worker(env.rank)
+    guard = Guard(cfg, env, ctx, client, progress)
+    recovery = ProcessRecovery(
+        cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
+        protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
+    )  # fmt: skip
+    watcher = None
+    if dpc.deadpool:
+        watcher = OrderWatcher(
+            ctx, recovery.abort.abort, progress, HangPolicy.from_config(dpc),
+            recovering=lambda: recovery.active,
+        )  # fmt: skip
+        watcher.start()
+    return guard, recovery, watcher
+
+
 def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None) -> int:
     """Train as `env.rank`; with `takeover`, as a claimed spare taking a failed rank over."""
     start = time.perf_counter()
@@ -71,23 +102,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
     guard = recovery = watcher = None
     dpc = cfg.deadpool
     if takeover is not None or ((dpc.deadpool or dpc.deadpool_inject) and env.under_launcher):
-        if takeover is not None:
-            ctx, client = takeover.ctx, takeover.client
-        else:
-            ctx = connect(env, dpc)
-            client = ControlClient(ctx, env.fault_scope)
-            client.register_worker(env.rank)
-        guard = Guard(cfg, env, ctx, client, progress)
-        recovery = ProcessRecovery(
-            cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
-            protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
-        )  # fmt: skip
-        if dpc.deadpool:
-            watcher = OrderWatcher(
-                ctx, recovery.abort.abort, progress, HangPolicy.from_config(dpc),
-                recovering=lambda: recovery.active,
-            )  # fmt: skip
-            watcher.start()
+        guard, recovery, watcher = watch(cfg, env, store, progress, takeover)
     session = ProtectedLoop(
         progress, guard, recovery, partial(_protect, cfg, env, guard) if dpc.deadpool else None
     )

@@ -10,7 +10,8 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
 3. await plan: the agent's plan for that generation, or why nothing can be recovered;
 4. rebuild: tear down every group, meet everyone of the generation on the store, build
    torch.distributed and megatron-core's groups on the generation's store prefix, then the
-   model and optimizer (nothing built before stays reachable from training);
+   model and optimizer (nothing built before stays reachable from training); in patched
+   Megatron-LM, after the same reset, its pretrain() builds them (process/upstream.py);
 5. restore: roll back to its own snapshot of the plan's iteration, or, for a spare, receive
    the parameters from one DP peer and the optimizer shard from one ring successor;
 6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
@@ -190,7 +191,6 @@ class ProcessRecovery:
         self._failed_iteration = 0
         self._spent = 0  # the newest generation whose store prefix an attempt used
         self._account: dict | None = None  # phases of a recovery awaiting its first iteration
-        self._reset_s = 0.0  # how long the last reset of the communicators took
 
     # -- entry points ------------------------------------------------------------------------
     def recover(self, trainer: Trainer, err: BaseException) -> None:
@@ -199,7 +199,7 @@ class ProcessRecovery:
         while True:
             plan = self.next_plan()
             try:
-                self._run(plan, self.rebuild(plan, trainer))
+                self.complete(plan, self.rebuild(plan, trainer))
                 return
             except Superseded as why:
                 log.info("%s; recovering into the newer generation", why)
@@ -232,7 +232,7 @@ class ProcessRecovery:
         plan = self.takeover_plan(generation)
         try:
             rebuilt = self.rebuild(plan, None, make_trainer)
-            self._run(plan, rebuilt)
+            self.complete(plan, rebuilt)
             return rebuilt.trainer
         except RecoveryFailed:
             raise
@@ -262,9 +262,6 @@ class ProcessRecovery:
 
     def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         """Stages 5-7 once the generation's groups, model and optimizer are built."""
-        self._run(plan, rebuilt)
-
-    def _run(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         restored = self.restore(rebuilt, plan)
         self.verify(plan, restored, rebuilt)
         self.resume(plan, rebuilt)
@@ -327,13 +324,13 @@ class ProcessRecovery:
     def rebuild(
         self, plan: RecoveryPlan, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
     ) -> Rebuilt:
-        old_groups = self.reset_communicators(plan)
         t = time.perf_counter()
+        old_groups = self.reset_communicators(plan)
         on_gpu = parallel.init_distributed(
             self.cfg, self.env.rank, self.env.world_size, self.store,
             prefix=self.ctx.store_prefix(plan.generation),
         )  # fmt: skip
-        phases = {"rebuild_communicators": time.perf_counter() - t + self._reset_s}
+        phases = {"rebuild_communicators": time.perf_counter() - t}
         t = time.perf_counter()
         state = build_train_state(self.cfg, on_gpu)
         materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
@@ -347,12 +344,10 @@ class ProcessRecovery:
         """Tear down every group and meet the generation on the store; returns the groups
         from before, for the stale-reference check (empty unless --deadpool-verify-groups)."""
         self._spent = plan.generation  # from here on, this generation's store prefix is used
-        t = time.perf_counter()
         old_groups = live_groups() if self.cfg.deadpool.deadpool_verify_groups else []
         parallel.destroy_distributed()
         self.rendezvous(plan.generation)
         self.abort.rearm()
-        self._reset_s = time.perf_counter() - t
         return old_groups
 
     def inject_recovery_fault(self) -> None:

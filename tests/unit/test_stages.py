@@ -150,7 +150,7 @@ class Scripted(ProcessRecovery):
             raise outcome
         return outcome
 
-    def _run(self, plan, rebuilt):
+    def complete(self, plan, rebuilt):
         self.ctx.advance(plan.generation)
         self.active = False
 
