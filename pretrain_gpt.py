@@ -11,30 +11,18 @@ import logging
 import os
 import sys
 
-from deadpool_megatron.errors import ConfigError
-from deadpool_megatron.logging_setup import setup_logging
 from deadpool_megatron.megatron.arguments import parse_job_args
-from deadpool_megatron.runtime import ROLE_SPARE, ProcessEnv, write_preflight
 
 
 def main(argv: list[str] | None = None) -> int:
-    env = ProcessEnv.from_environ()
-    try:
-        cfg = parse_job_args(argv, env.world_size)
-    except ConfigError as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return ConfigError.exit_code
-    if env.preflight:
-        write_preflight(cfg)
-        return 0
-    setup_logging("" if env.under_launcher else f"rank {env.rank}")
-    if env.role == ROLE_SPARE:
-        from deadpool_megatron.process.spare import run_spare
+    from deadpool_megatron.process.entry import run_process
 
-        return run_spare(env, cfg)
-    from deadpool_megatron.process.worker import run_worker
+    def train(cfg, env) -> int:
+        from deadpool_megatron.process.worker import run_worker
 
-    return run_worker(cfg, env)
+        return run_worker(cfg, env)
+
+    return run_process(lambda env: parse_job_args(argv, env.world_size), train)
 
 
 if __name__ == "__main__":

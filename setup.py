@@ -10,7 +10,7 @@ setup(
     description="Hot-swap fault tolerance for Megatron-LM training (DeadPool, arXiv 2607.01646)",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["deadpool_megatron", "deadpool_megatron.*"]),
     py_modules=["pretrain_gpt"],
     install_requires=[

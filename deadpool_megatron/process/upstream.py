@@ -224,30 +224,20 @@ def become_worker(
 def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     """`pretrain(*args, **kwargs)` as this process's role asks: answer the launcher's
     preflight, wait as a spare, or train as a worker; returns the exit status."""
-    import sys
-
     from ..errors import ConfigError
-    from ..logging_setup import setup_logging
-    from ..runtime import ROLE_SPARE, write_preflight
-    from .spare import run_spare
+    from .entry import run_process
 
-    env = ProcessEnv.from_environ()
-    try:
+    def parse(env: ProcessEnv) -> JobConfig:
         if not (env.under_launcher or env.preflight):
             raise ConfigError(
                 "--deadpool with Megatron-LM's pretrain_gpt.py needs deadpool-launch: start it "
                 "with `deadpool-launch --nproc-per-node N [--spares S] pretrain_gpt.py ...`"
             )
-        cfg = upstream.parse_job_config(argv, env.world_size)
-    except ConfigError as err:
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr)
-        return ConfigError.exit_code
-    if env.preflight:
-        write_preflight(cfg)
-        return 0
-    setup_logging("" if env.under_launcher else f"rank {env.rank}")
-    if env.role == ROLE_SPARE:
-        return run_spare(env, cfg, become=become_worker(pretrain, args, kwargs, cfg))
-    session = UpstreamSession(cfg, env)
-    with serving(session):
-        return session.run(pretrain, args, kwargs)
+        return upstream.parse_job_config(argv, env.world_size)
+
+    def train(cfg: JobConfig, env: ProcessEnv) -> int:
+        session = UpstreamSession(cfg, env)
+        with serving(session):
+            return session.run(pretrain, args, kwargs)
+
+    return run_process(parse, train, lambda cfg: become_worker(pretrain, args, kwargs, cfg))

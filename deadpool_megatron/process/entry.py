@@ -1,0 +1,41 @@
+"""The process side of a training script started by deadpool-launch, for our pretrain_gpt.py
+and patched Megatron-LM's alike: parse the command line (a bad value ends the process with
+status 2 and one message, before anything heavy is imported), answer the launcher's preflight,
+then wait as a spare or train as a worker."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from ..config import JobConfig
+from ..errors import ConfigError
+from ..logging_setup import setup_logging
+from ..runtime import ROLE_SPARE, ProcessEnv, write_preflight
+
+Train = Callable[[JobConfig, ProcessEnv], int]
+
+
+def run_process(
+    parse: Callable[[ProcessEnv], JobConfig],
+    train: Train,
+    become: Callable[[JobConfig], Callable] | None = None,
+    prog: str = "pretrain_gpt.py",
+) -> int:
+    """`train(cfg, env)` as a worker; as a spare, idle until claimed, then our own worker or
+    `become(cfg)`'s way in. Returns the exit status."""
+    env = ProcessEnv.from_environ()
+    try:
+        cfg = parse(env)
+    except ConfigError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return ConfigError.exit_code
+    if env.preflight:
+        write_preflight(cfg)
+        return 0
+    setup_logging("" if env.under_launcher else f"rank {env.rank}")
+    if env.role == ROLE_SPARE:
+        from .spare import run_spare
+
+        return run_spare(env, cfg, become=None if become is None else become(cfg))
+    return train(cfg, env)
