@@ -298,7 +298,8 @@ class Agent:
                               "ending the job", pending.generation, RECOVERY_TIMEOUT_S)  # fmt: skip
                     return self._end("recovery timed out")
             self._watch_spares(run.spares, spare_kills, run.monitor.iteration)
-            run.chaos.step(run.monitor.iteration, running=coordinator.pending is None)
+            running = coordinator.pending is None and not run.monitor.training_over()
+            run.chaos.step(run.monitor.iteration, running=running)
             if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
                 run.up = self._membership_up(run.spares)

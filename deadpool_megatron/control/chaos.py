@@ -2,9 +2,9 @@
 
 The schedule is the pure, seeded `ChaosSchedule`; this file carries it out on this node's
 processes (SIGKILL for a crash, SIGSTOP for a hang). Its clock runs only while the job trains:
-it starts at the first iteration and stops while a recovery is under way (and while the agent
-is busy elsewhere), so faults go into a running job at the rate asked for and never come in a
-burst of overdue ones. Each
+it starts at the first iteration and stops while a recovery is under way, while the agent
+is busy elsewhere, and for good once training is over (the job's last collectives), so faults
+go into a running job at the rate asked for and never come in a burst of overdue ones. Each
 injection is recorded like an injected fault (with the generation it happened in), so its
 detection is timed.
 """

@@ -206,6 +206,17 @@ class Monitor:
                 w.suspected = False
         return out
 
+    def training_over(self) -> bool:
+        """A rank finished training (it marked `finish`, or exited with status 0): the job is
+        in its last collectives, where a fault would end it rather than test a recovery."""
+        for rank in self.ranks:
+            w = self._watched.get(rank)
+            if self._returncode(rank) == 0 or (
+                w is not None and w.tracker.mark is not None and w.tracker.mark.phase == "finish"
+            ):
+                return True
+        return False
+
     def lost(self, rank: int) -> str | None:
         """During a recovery: why the process holding `rank` will never report (it exited, is
         stopped, or shows no progress for its phase's limit), or None while it may still."""

@@ -199,6 +199,8 @@ class UpstreamSession(ProtectedLoop):
     def after_step(self, iteration: int, loss_dict: dict) -> None:
         self.position.completed(iteration)
         super().after_step(iteration, loss_dict)
+        if iteration >= self.cfg.training.train_iters:  # what pretrain() does next is its end
+            self.progress.mark(iteration, "finish")
         loss = upstream.loss_value(loss_dict)
         if self.metrics is not None and loss is not None:
             elapsed_ms = (time.perf_counter() - self._step_started) * 1e3

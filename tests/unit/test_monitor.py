@@ -156,6 +156,20 @@ def test_a_rank_that_finished_is_never_accused(kv):
         assert advance(monitor, clock, 0.5) is None
 
 
+def test_training_is_over_once_a_rank_marks_finish_or_exits_cleanly(kv):
+    clock, codes, procs = Clock(), {}, Processes()
+    monitor = make(kv, codes, clock, procs)
+    advance(monitor, clock, 0.1)
+    assert not monitor.training_over()
+    procs.progress(2, "finish")
+    advance(monitor, clock, 0.1)
+    assert monitor.training_over()
+    monitor = make(kv, {1: 0}, clock)
+    assert monitor.training_over()
+    monitor = make(kv, {1: 1}, clock)  # a failed exit is a failure, not the end of training
+    assert not monitor.training_over()
+
+
 def test_a_self_reported_injected_error_is_transient(kv):
     clock, codes = Clock(), {}
     monitor = make(kv, codes, clock)
