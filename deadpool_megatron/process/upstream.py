@@ -176,17 +176,16 @@ class UpstreamSession(ProtectedLoop):
 
             self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
             return
-        plan = pending.plan
-        materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
-        self.recovery.inject_recovery_fault()
         phases = {  # the model's share: Megatron-LM's set-up run again, groups included
             "rebuild_communicators": pending.reset_s,
             "rebuild_model": time.perf_counter() - pending.started,
         }
         try:
+            materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
+            self.recovery.inject_recovery_fault()
             rebuilt = Rebuilt(self.position, state, self.position.on_gpu, phases,
                               pending.old_groups)  # fmt: skip
-            self.recovery.complete(plan, rebuilt)
+            self.recovery.complete(pending.plan, rebuilt)
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure
             raise
