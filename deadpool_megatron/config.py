@@ -298,13 +298,7 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
     ):
         _require(value >= 1, f"{name}={value} is invalid: it must be a positive integer")
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
-    _require(
-        world_size % (tp * pp) == 0,
-        f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-        f"--pipeline-model-parallel-size {pp} = {tp * pp}; use a world size that is a multiple "
-        f"of {tp * pp}",
-    )
-    dp = world_size // (tp * pp)
+    dp = check_model_parallel(world_size, tp, pp)
     _require(
         t.global_batch_size % (t.micro_batch_size * dp) == 0,
         f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
@@ -397,6 +391,17 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
         )
     validate_deadpool(cfg, dp)
     return cfg
+
+
+def check_model_parallel(world_size: int, tp: int, pp: int) -> int:
+    """The data-parallel size, once TP x PP is known to divide the world size."""
+    _require(
+        tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+        f"--pipeline-model-parallel-size {pp} = {tp * pp}; use a world size that is a multiple "
+        f"of {tp * pp}",
+    )
+    return world_size // (tp * pp)
 
 
 def validate_deadpool(cfg: JobConfig, dp: int) -> None:

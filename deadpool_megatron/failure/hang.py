@@ -34,7 +34,7 @@ from .progress import ProgressMark
 
 # Phases with their own allowance: set-up and the end of training (imports, the final save),
 # saves write to storage, a recovery rebuilds everything.
-SLOW_PHASES = frozenset({"start", "save", "recovery", "finish"})
+SLOW_PHASES = frozenset({"start", "save", "evaluate", "recovery", "finish"})
 # Iterations of a process (counted from the first it is seen in) that get the slow allowance:
 # the first step builds optimizer state and warms caches, the second still pays some of it.
 WARMUP_ITERATIONS = 2

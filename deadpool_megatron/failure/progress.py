@@ -19,7 +19,8 @@ import struct
 from dataclasses import dataclass
 
 # Phases a training loop marks, in the order an iteration passes them. "start": set-up, before
-# the first iteration; "done": the iteration's bookkeeping after the step (metrics, hooks).
+# the first iteration; "evaluate": Megatron-LM's validation after a step; "done": the
+# iteration's bookkeeping after the step (metrics, hooks).
 PHASES = (
     "start",
     "forward",
@@ -27,6 +28,7 @@ PHASES = (
     "optimizer",
     "snapshot",
     "save",
+    "evaluate",
     "done",
     "recovery",
     "finish",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import JobConfig, data_parallel_size, validate_deadpool
+from ..config import JobConfig, check_model_parallel, validate_deadpool
 from ..errors import ConfigError
 from ..flags import add_config_flags, build_job_config
 from .parallel import destroy_distributed
@@ -43,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
 def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
     """DeadPool's view of a Megatron-LM command line; raises ConfigError naming a bad value.
     Megatron-LM parses and checks the rest itself."""
@@ -54,24 +58,25 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
             parser.add_argument(flag, type=kind, default=default)
     add_arguments(parser)
     ns, _ = parser.parse_known_args(argv)
-    if "--inprocess-restart" in argv:
+    if _given(argv, "--inprocess-restart"):
         raise ConfigError(
             "--inprocess-restart and --deadpool both recover a failed job in-process; use one"
         )
-    ns.metrics_jsonl = ns.deadpool_metrics_jsonl
-    tp, pp = ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
+    if _given(argv, "--rampup-batch-size"):
         raise ConfigError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}; use a world size that is a multiple of {tp * pp}"
+            "--rampup-batch-size is not supported with --deadpool: the samples consumed by "
+            "an iteration must not depend on where the batch size ramp stood"
         )
-    dp = world_size // (tp * pp)
+    ns.metrics_jsonl = ns.deadpool_metrics_jsonl
+    dp = check_model_parallel(
+        world_size, ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
+    )
     if ns.micro_batch_size is None or ns.train_iters is None:
         raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size and --train-iters")
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp
     cfg = build_job_config(ns)
-    validate_deadpool(cfg, data_parallel_size(cfg, world_size))
+    validate_deadpool(cfg, dp)
     return cfg
 
 
@@ -90,13 +95,19 @@ def set_position(iteration: int) -> None:
     from megatron.training.global_vars import get_args
 
     args = get_args()
-    if args.rampup_batch_size is not None:
-        raise ConfigError(
-            "--rampup-batch-size is not supported with --deadpool: the samples consumed by "
-            "an iteration must not depend on where the batch size ramp stood"
-        )
     args.iteration = iteration
     args.consumed_train_samples = iteration * args.global_batch_size
+
+
+def slow_work_after(args, iteration: int) -> str | None:
+    """What Megatron-LM's train() does after `iteration` that can take minutes (the progress
+    phase to mark, so a healthy evaluation or save is never taken for a hang): it evaluates
+    at every --eval-interval and saves at every --save-interval (checkpoint_and_decide_exit)."""
+    if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
+        return "evaluate"
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        return "save"
+    return None
 
 
 def loss_value(loss_dict: dict) -> float | None:

@@ -200,6 +200,12 @@ class UpstreamSession(ProtectedLoop):
         super().after_step(iteration, loss_dict)
         if iteration >= self.cfg.training.train_iters:  # what pretrain() does next is its end
             self.progress.mark(iteration, "finish")
+        else:
+            from megatron.training.global_vars import get_args
+
+            slow = upstream.slow_work_after(get_args(), iteration)
+            if slow is not None:
+                self.progress.mark(iteration, slow)
         loss = upstream.loss_value(loss_dict)
         if self.metrics is not None and loss is not None:
             elapsed_ms = (time.perf_counter() - self._step_started) * 1e3

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from deadpool_megatron import hooks
 from deadpool_megatron.errors import ConfigError
-from deadpool_megatron.megatron.upstream import parse_job_config
+from deadpool_megatron.megatron.upstream import parse_job_config, slow_work_after
 from deadpool_megatron.runtime import ENV_ROLE
 
 PATCHES = Path(__file__).resolve().parents[2] / "patches"
@@ -65,6 +66,8 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         ([*BASE, "--pipeline-model-parallel-size", "3"], 4, "not divisible"),
         (["--train-iters", "10", "--deadpool"], 4, "--micro-batch-size"),
         ([*BASE, "--deadpool", "--inprocess-restart"], 4, "--inprocess-restart"),
+        ([*BASE, "--deadpool", "--rampup-batch-size", "4", "4", "100"], 4,
+         "--rampup-batch-size"),
         (["--micro-batch-size", "2", "--train-iters", "10", "--deadpool"], 4,
          "--use-distributed-optimizer"),
         ([*BASE, "--deadpool", "--pipeline-model-parallel-size", "4"], 4, "data-parallel size"),
@@ -73,6 +76,14 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
 def test_parse_job_config_names_the_bad_value(argv, world, message):
     with pytest.raises(ConfigError, match=message):
         parse_job_config(argv, world)
+
+
+def test_evaluations_and_saves_after_a_step_are_marked_as_slow_phases():
+    args = SimpleNamespace(eval_interval=10, do_valid=True, save="ckpt", save_interval=4)
+    assert [slow_work_after(args, i) for i in (3, 4, 10, 20)] == [None, "save", "evaluate",
+                                                                   "evaluate"]  # fmt: skip
+    args = SimpleNamespace(eval_interval=10, do_valid=False, save=None, save_interval=None)
+    assert slow_work_after(args, 10) is None
 
 
 def test_the_patch_series_adds_only_calls_into_deadpool():
