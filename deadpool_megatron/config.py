@@ -154,7 +154,10 @@ class DeadpoolConfig:
         "replicate its optimizer shard to its DP-ring successors (off: the plain training loop).",
     )
     deadpool_replicas: int = knob(
-        1, "DP-ring successors holding a replica of each optimizer shard (K adjacent failures)."
+        1,
+        "DP-ring successors holding a replica of each optimizer shard (K adjacent failures). "
+        "0: local snapshots only (transient failures are reset in place; a data-parallel size "
+        "of 1 allows no more).",
     )
     deadpool_snapshot_interval: int = knob(1, "Iterations between snapshots.")
     deadpool_heartbeat_interval: float = knob(
@@ -453,10 +456,11 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         "what the ring replicates",
     )
     _require(
-        1 <= dpc.deadpool_replicas <= max(1, dp - 1) and dp >= 2,
-        f"--deadpool-replicas {dpc.deadpool_replicas} needs 1 <= K <= data-parallel size - 1 "
+        0 <= dpc.deadpool_replicas <= dp - 1,
+        f"--deadpool-replicas {dpc.deadpool_replicas} needs 0 <= K <= data-parallel size - 1 "
         f"(data-parallel size is {dp}; a replica lives on another DP rank of the same TP/PP "
-        f"coordinates, so DeadPool needs a data-parallel size of at least 2)",
+        f"coordinates; 0 keeps local snapshots only: transient failures are reset in place, "
+        f"a lost process is not recoverable in memory)",
     )
 
 

@@ -61,3 +61,15 @@ def etcd_url(tmp_path_factory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` run only where torch sees a CUDA device (scripts/gpu_check.sh)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_check.sh on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

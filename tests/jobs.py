@@ -29,12 +29,16 @@ class JobResult:
 
 
 def launch_cmd(
-    nproc: int, args: list[str], spares: int = 0, launcher: list[str] | None = None
+    nproc: int,
+    args: list[str],
+    spares: int = 0,
+    launcher: list[str] | None = None,
+    script: Path = ROOT / "pretrain_gpt.py",
 ) -> list[str]:
     return [
         sys.executable, "-m", "deadpool_megatron.launch",
         "--nproc-per-node", str(nproc), "--spares", str(spares), *(launcher or []),
-        str(ROOT / "pretrain_gpt.py"), *args,
+        str(script), *args,
     ]  # fmt: skip
 
 
@@ -45,11 +49,12 @@ def run_job(
     spares: int = 0,
     name: str = "run",
     launcher: list[str] | None = None,
+    script: Path = ROOT / "pretrain_gpt.py",
 ) -> JobResult:
     """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file."""
     metrics = tmp_path / f"{name}.jsonl"
     proc = subprocess.Popen(
-        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares, launcher),
+        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares, launcher, script),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

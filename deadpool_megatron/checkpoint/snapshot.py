@@ -58,15 +58,30 @@ class Snapshotter:
         sources = self._tensors_fn()
         targets = self._views_fn(slot.buffer)
         self._copy_done.clear()
-        if self.use_cuda:
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                for dst, src in zip(targets, sources, strict=True):
-                    dst.copy_(src.reshape(dst.shape), non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record(self._stream)
-            self._copy_done.set()  # the host side is done; the event tracks the device side
+        if self.use_cuda:  # pragma: no cover (GPU)
+            try:
+                self._enqueue_cuda(sources, targets)
+            except Exception as err:  # the copy stream refused it: report, keep the last one
+                self._failed(slot, iteration, f"enqueueing the copy on the CUDA stream: {err}")
+                return
+            finally:
+                self._copy_done.set()  # the host side is done; the event tracks the device side
         self._work.put((slot, iteration, meta, sources, targets, self._event))
+
+    def _enqueue_cuda(self, sources: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+        """Copies on the snapshot stream, after what the training stream has queued so far."""
+        self._event = None
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for dst, src in zip(targets, sources, strict=True):
+                dst.copy_(src.reshape(dst.shape), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(self._stream)
+
+    def _failed(self, slot: Slot, iteration: int, what: str) -> None:
+        self.slots.abandon(slot)
+        self.errors.append(f"iteration {iteration}: {what}")
+        log.error("snapshot of iteration %d failed: %s", iteration, what)
 
     def fence(self) -> None:
         """Block until the in-flight copy no longer reads the live tensors."""
@@ -75,6 +90,13 @@ class Snapshotter:
                 torch.cuda.current_stream().wait_event(self._event)
             return
         self._copy_done.wait()
+
+    def copy_in_flight(self) -> bool:
+        """The last snapshot's device-to-host copy has not finished yet (CUDA; on CPU the
+        copy thread holds the fence until it has)."""
+        if self.use_cuda:
+            return self._event is not None and not self._event.query()
+        return not self._copy_done.is_set()
 
     def wait_committed(self, timeout: float | None = None) -> None:
         """Wait until every started snapshot is committed (tests, shutdown)."""
@@ -105,9 +127,7 @@ class Snapshotter:
                     self._on_commit(slot)
             except Exception as err:  # a failed snapshot must not kill training; report it
                 self._copy_done.set()
-                self.slots.abandon(slot)
-                self.errors.append(f"iteration {iteration}: {err}")
-                log.error("snapshot of iteration %d failed: %s", iteration, err)
+                self._failed(slot, iteration, f"{type(err).__name__}: {err}")  # CUDA's too
             finally:
                 self._work.task_done()
 

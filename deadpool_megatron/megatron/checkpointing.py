@@ -220,7 +220,9 @@ def restore_adam_step(optimizer, loaded: dict) -> None:
     megatron-core's DistributedOptimizer.load_state_dict puts ONE shared `step` tensor into
     every parameter's state, which torch's AdamW then increments once per parameter per step,
     so the run silently diverges (FIELD-NOTES); and the in-place copies of the per-parameter
-    state can leave the pre-load value in it. The step saved in the param groups is the truth.
+    state can leave the pre-load value in it. The step saved in the param groups is the truth;
+    torch's AdamW never reads it there, so it is dropped again (a run resumed from a checkpoint
+    holds the same param groups as one that never stopped).
     """
     inner = inner_optimizers(optimizer)
     per_optimizer = [loaded] if len(inner) == 1 else [loaded[i] for i in range(len(inner))]
@@ -234,6 +236,10 @@ def restore_adam_step(optimizer, loaded: dict) -> None:
                 f"checkpoint param groups disagree on the optimizer step: {steps}"
             )
         step = float(steps.pop())
-        for param_state in megatron_opt.optimizer.state.values():
+        torch_opt = megatron_opt.optimizer
+        for param_state in torch_opt.state.values():
             if "step" in param_state:
                 param_state["step"] = torch.tensor(step, dtype=torch.float32)
+        if any("step" in s for s in torch_opt.state.values()):
+            for group in torch_opt.param_groups:  # the checkpoint format's copy, not state
+                group.pop("step", None)

@@ -2,7 +2,8 @@
 
 Two runs are the same run only if this digest matches: it covers the model parameters of
 every chunk, and for every torch optimizer inside Megatron's (chained, distributed) optimizer
-its fp32 main parameters and every state tensor (step, exp_avg, exp_avg_sq), in rank order.
+its param-group settings and state (where fused Adams keep their step), its fp32 main
+parameters and every state tensor (step, exp_avg, exp_avg_sq), in rank order.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ def _update(h, tensor: torch.Tensor) -> None:
     h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
+def _update_entry(h, key: str, value) -> None:
+    h.update(key.encode())
+    if torch.is_tensor(value):
+        _update(h, value)
+    else:
+        h.update(repr(value).encode())
+
+
 def local_digest(model: list, optimizer) -> str:
     h = hashlib.sha256()
     for i, chunk in enumerate(model):
@@ -33,15 +42,14 @@ def local_digest(model: list, optimizer) -> str:
     for j, megatron_opt in enumerate(inner_optimizers(optimizer)):
         torch_opt = megatron_opt.optimizer
         for g, group in enumerate(torch_opt.param_groups):
+            h.update(f"opt{j}.group{g}".encode())
+            for key in sorted(k for k in group if k != "params"):
+                _update_entry(h, key, group[key])
             for k, main_param in enumerate(group["params"]):
                 h.update(f"opt{j}.group{g}.param{k}".encode())
                 _update(h, main_param)
                 for key, value in sorted(torch_opt.state.get(main_param, {}).items()):
-                    h.update(key.encode())
-                    if torch.is_tensor(value):
-                        _update(h, value)
-                    else:
-                        h.update(repr(value).encode())
+                    _update_entry(h, key, value)
     return h.hexdigest()
 
 

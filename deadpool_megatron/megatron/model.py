@@ -154,7 +154,7 @@ def build_model(
     ]
     for chunk in wrapped:
         chunk.broadcast_params()
-    log.debug("built %d model chunk(s) with the %s layer spec", len(wrapped), impl)
+    log.info("built %d model chunk(s) with the %s layer spec", len(wrapped), impl)
     return wrapped
 
 

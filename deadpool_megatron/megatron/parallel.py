@@ -93,6 +93,16 @@ def coordinates() -> tuple[int, int, int]:
     )
 
 
+def host_group() -> dist.ProcessGroup:
+    """A gloo group over every rank, for a recovery's host-memory transfers and checks.
+
+    The state a recovery moves lives in host buffers; in an NCCL job the default group cannot
+    carry CPU tensors, so the transfers and the verification always go through a gloo group
+    chosen explicitly (in gloo jobs too: one path, tested on CPU). Collective over every rank.
+    """
+    return dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
+
+
 def ring_group(topo: Topology) -> dist.ProcessGroup:
     """A gloo group over this rank's DP ring, owned by the replication thread alone.
 

@@ -27,6 +27,46 @@ from .rng import capture_rng_state, restore_rng_state
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+def capture_param_groups(optimizer) -> list[list[dict]]:
+    """Every inner optimizer's param-group settings and state, without the parameters.
+
+    Fused Adams (transformer-engine's, apex's; megatron-core picks them on GPUs) keep their
+    step count here, not per parameter: a restored rank without it would restart bias
+    correction. lr and weight decay ride along (the scheduler sets the same values).
+    """
+    return [
+        [_group_state(group) for group in megatron_opt.optimizer.param_groups]
+        for megatron_opt in inner_optimizers(optimizer)
+    ]
+
+
+def _group_state(group: dict) -> dict:
+    return {
+        k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+        for k, v in group.items()
+        if k != "params"
+    }
+
+
+@torch.no_grad()
+def restore_param_groups(optimizer, saved: list[list[dict]]) -> None:
+    """Put captured param-group state back (a tensor step in place, where it is one)."""
+    inner = inner_optimizers(optimizer)
+    shape = [len(m.optimizer.param_groups) for m in inner]
+    if [len(groups) for groups in saved] != shape:
+        raise DeadpoolError(
+            f"the snapshot holds param groups {[len(g) for g in saved]} per optimizer, this "
+            f"rank's optimizer has {shape}"
+        )
+    for megatron_opt, groups in zip(inner, saved, strict=True):
+        for live, entries in zip(megatron_opt.optimizer.param_groups, groups, strict=True):
+            for key, value in entries.items():
+                if torch.is_tensor(value) and torch.is_tensor(live.get(key)):
+                    live[key].copy_(value)
+                else:
+                    live[key] = value
+
+
 def _has_step_in_state(torch_opt) -> bool:
     return isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW))
 
@@ -112,6 +152,7 @@ class RankState:
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
             "rng": capture_rng_state(),
+            "param_groups": capture_param_groups(self.optimizer),
             **extra,
         }
         return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
@@ -126,6 +167,7 @@ class RankState:
         if grad_scaler is not None and meta["grad_scaler"] is not None:
             grad_scaler.load_state_dict(meta["grad_scaler"])
         restore_rng_state(meta["rng"])
+        restore_param_groups(self.optimizer, meta["param_groups"])
         return meta
 
     # -- bulk copies ------------------------------------------------------------------------

@@ -31,7 +31,8 @@ def build_pipeline(
     before_send: Callable[[int], None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
 ) -> ProtectionPipeline:
-    """Collective over every rank: the ring group is created and shard sizes are exchanged."""
+    """Collective over every rank: the ring groups are created, then shard sizes exchanged
+    on each ring."""
     p = cfg.parallel
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -42,8 +43,10 @@ def build_pipeline(
     k = cfg.deadpool.deadpool_replicas
     coords = topo.coords(rank)
     rank_state = RankState(state.model, state.optimizer, state.scheduler)
-    shard_sizes: list[int] = [0] * world
-    dist.all_gather_object(shard_sizes, rank_state.layout.optimizer_nbytes)
+    # Replica sizes come from the ring's own (gloo) group: predecessors are all on it.
+    sizes: list[int] = [0] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, rank_state.layout.optimizer_nbytes, group=group)
+    shard_sizes = dict(zip(dist.get_process_group_ranks(group), sizes, strict=True))
     predecessors = topo.ring_predecessors(rank, k)
     return ProtectionPipeline(
         rank_state,

@@ -11,7 +11,8 @@ communication edge, and the launcher's recovery order reaches whoever is not blo
 
 Every TCP connection of the process is cut except the control plane's (the store, etcd, by
 port) and listeners: a pending operation may wait on any group's connection, and the groups are
-all rebuilt anyway. On NCCL, the groups are aborted through torch instead.
+all rebuilt anyway. NCCL communicators are aborted through torch's `ProcessGroup.abort()`
+(public since torch 2.6), each group on its own, and a group that fails to abort is logged.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import socket
 import torch.distributed as dist
 
 from ..megatron import gloo_ops
+from ..megatron.groups import live_groups
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -37,6 +39,26 @@ def _sockets() -> dict[int, str]:
             if target.startswith("socket:"):
                 out[int(name)] = target
     return out
+
+
+def abort_groups(groups: list, backend: str) -> list[str]:
+    """`abort()` every group of `backend` (its pending collectives fail, its communicator is
+    freed); returns the errors, each logged with the group it concerns."""
+    errors = []
+    for group in groups:
+        try:
+            if dist.get_backend(group) != backend:
+                continue
+            if hasattr(group, "abort"):
+                group.abort()
+            else:  # torch before ProcessGroup.abort() was public
+                dist.distributed_c10d._abort_process_group(group)
+        except Exception as err:  # one group failing to abort must not stop the others
+            name = group.group_name if hasattr(group, "group_name") else repr(group)
+            errors.append(f"{name}: {type(err).__name__}: {err}")
+            log.error("could not abort %s group %s: %s: %s", backend, name,
+                      type(err).__name__, err)  # fmt: skip
+    return errors
 
 
 class CommunicatorAbort:
@@ -57,8 +79,7 @@ class CommunicatorAbort:
         """
         gloo_ops.abort_pending()  # operations gloo would not wake
         if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
-            with contextlib.suppress(Exception):
-                dist.distributed_c10d._abort_process_group()
+            abort_groups(live_groups(), "nccl")
         n = 0
         for fd in _sockets():
             try:

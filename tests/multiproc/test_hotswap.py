@@ -47,10 +47,10 @@ def baseline_dp4(tmp_path_factory):
     return result
 
 
-def _run(tmp_path, nproc, shape, spec, spares, extra=()):
+def _run(tmp_path, nproc, shape, spec, spares, extra=(), script=ROOT / "pretrain_gpt.py"):
     log = tmp_path / "events.jsonl"
     args = [*shape, "--deadpool-inject", spec, "--deadpool-event-log", str(log), *extra]
-    result = run_job(tmp_path, nproc, args, spares=spares)
+    result = run_job(tmp_path, nproc, args, spares=spares, script=script)
     events = read_events(str(log)) if log.exists() else []
     return result, events
 
@@ -100,6 +100,30 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
     assert done["bytes_moved"] > 0  # parameters + optimizer shard, to the spare only
 
 
+def test_fused_adam_step_kept_in_param_groups_survives_a_hot_swap_bitwise(tmp_path):
+    # apex's and TE's FusedAdam keep `step` in the param groups; building the spare's optimizer
+    # sets it to 1, so only the snapshot's param groups carry the true count (bias correction).
+    script = ROOT / "tests" / "drivers" / "fused_adam_gpt.py"
+    baseline = run_job(tmp_path, 4, SHAPE_PP2, name="baseline", script=script)
+    assert baseline.returncode == 0, baseline.output[-3000:]
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:7", spares=1, script=script)
+    _assert_same_run(result, baseline)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"1": "spare-0"}
+
+
+def test_bf16_hot_swap_restores_the_fp32_main_parameters_bitwise(tmp_path):
+    # The replica carries the distributed optimizer's fp32 main parameters and state; the
+    # spare's bf16 model copy comes from a DP peer, the low-precision image of the same step.
+    shape = [*SHAPE_PP2, "--bf16"]
+    baseline = run_job(tmp_path, 4, shape, name="baseline")
+    assert baseline.returncode == 0, baseline.output[-3000:]
+    result, events = _run(tmp_path, 4, shape, "kill@2:6:backward", spares=1)
+    _assert_same_run(result, baseline)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"2": "spare-0"}
+
+
 def test_tp_rank_swap_on_the_demo_shape_leaves_no_stale_group(tmp_path, baseline_3d):
     # TP rank 1 of (pp 0, dp 1); every process walks its live objects after the recovery.
     result, events = _run(
@@ -129,6 +153,19 @@ def test_transient_error_resets_in_place_without_a_spare(tmp_path, baseline_pp2)
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {} and done["bytes_moved"] == 0
     assert "spare 0: job finished, exiting" in result.output  # never used, still idle
+
+
+def test_single_process_job_with_local_snapshots_only_resets_a_transient_error_bitwise(tmp_path):
+    # Data-parallel size 1 leaves nowhere for a replica: --deadpool-replicas 0 (what a
+    # one-GPU NCCL job runs, tests/gpu); the rank resets from its own snapshot.
+    shape = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+             "--train-iters", "10", "--deadpool", "--deadpool-replicas", "0", *HEARTBEATS]  # fmt: skip
+    baseline = run_job(tmp_path, 1, shape, name="baseline")
+    assert baseline.returncode == 0, baseline.output[-3000:]
+    result, events = _run(tmp_path, 1, shape, "raise@0:6:backward", spares=0)
+    _assert_same_run(result, baseline)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {} and done["bytes_moved"] == 0
 
 
 def test_hung_rank_is_fenced_then_replaced(tmp_path, baseline_pp2):

@@ -64,7 +64,7 @@ def test_every_config_field_is_a_flag_with_help():
         (
             ["--deadpool", "--deadpool-replicas", "2"],
             8,
-            "--deadpool-replicas 2 needs 1 <= K <= data-parallel size - 1 (data-parallel size is 2",
+            "--deadpool-replicas 2 needs 0 <= K <= data-parallel size - 1 (data-parallel size is 2",
         ),
         (
             ["--deadpool", "--tensor-model-parallel-size", "4"],
