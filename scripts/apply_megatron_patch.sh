@@ -78,6 +78,15 @@ if [ ! -f "$helper" ]; then
              "(pip install pybind11, then run this again)" >&2
     fi
 fi
+# Rank 0 runs the helper's Makefile at start-up, which asks `python3-config` for the suffix; a
+# pyenv shim there obeys Megatron-LM's own .python-version, which may name another Python.
+if [ -f .python-version ] && command -v pyenv >/dev/null; then
+    mine=$("$python" -c "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')")
+    if [ "$(cut -d. -f1,2 .python-version)" != "$mine" ]; then
+        echo "note: $dir/.python-version asks pyenv for Python $(cat .python-version), this is" \
+             "$mine: run the job with PYENV_VERSION set to yours (or python3 first on PATH)" >&2
+    fi
+fi
 missing=$("$python" - <<'PY'
 import importlib.util
 needed = ("six", "regex", "pydantic", "pybind11", "triton", "deadpool_megatron")

@@ -41,6 +41,21 @@ MODEL = shlex.split(
 NEEDED = ("six", "regex", "pydantic", "pybind11", "triton")
 
 
+def _this_python_first(where: Path) -> str:
+    """A PATH whose `python3` and `python3-config` are this interpreter's: Megatron-LM's rank 0
+    runs its dataset helper's Makefile, which asks them, and Megatron-LM's `.python-version`
+    (3.12) would make a pyenv shim answer for another Python."""
+    bin_dir = where / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        (bin_dir / "python3").symlink_to(sys.executable)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        config = Path(sys.base_prefix) / "bin" / f"python{version}-config"
+        if config.exists():
+            (bin_dir / "python3-config").symlink_to(config)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 @pytest.fixture(scope="module")
 def megatron_lm(tmp_path_factory) -> Path:
     source = os.environ.get("MEGATRON_LM_DIR")
@@ -75,7 +90,7 @@ def _run(checkout: Path, tmp_path: Path, name: str, extra: list[str]) -> tuple[d
         "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
         *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": _this_python_first(checkout.parent)}
     done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
     output = done.stdout + done.stderr
