@@ -20,11 +20,18 @@ from ..errors import DeadpoolError
 SAMPLES = 1000
 
 
-def checksum(buffer: torch.Tensor, meta: bytes = b"") -> int:
-    """xxh3-64 over the bytes of a contiguous CPU uint8 buffer, then the metadata."""
+# Metadata is a few KB (RNG states, scheduler, param groups); a header announcing more is
+# corrupt and is refused before anything is allocated for it.
+MAX_META_BYTES = 64 * 2**20
+
+
+def checksum(buffer: torch.Tensor, meta: bytes = b"", iteration: int = -1) -> int:
+    """xxh3-64 over the bytes of a contiguous CPU uint8 buffer, the metadata and the iteration
+    the copy is of (a header field a reader trusts, so it is covered too)."""
     h = xxhash.xxh3_64()
     h.update(memoryview(buffer.numpy()))
     h.update(meta)
+    h.update(iteration.to_bytes(8, "little", signed=True))
     return h.intdigest()
 
 
@@ -45,7 +52,9 @@ class Slot:
     busy: bool = False  # being written, or read by a sender
 
     def verify(self) -> bool:
-        return self.checksum is not None and checksum(self.buffer, self.meta) == self.checksum
+        return self.checksum is not None and (
+            checksum(self.buffer, self.meta, self.iteration) == self.checksum
+        )
 
 
 class CorruptCopy(DeadpoolError):
@@ -99,7 +108,7 @@ class SlotPair:
 
     def commit(self, slot: Slot, iteration: int, meta: bytes, digest: int | None = None) -> None:
         """Mark `slot` as holding `iteration` once its bytes verify; raises CorruptCopy else."""
-        actual = checksum(slot.buffer, meta)
+        actual = checksum(slot.buffer, meta, iteration)
         with self.lock:
             slot.busy = False
             if digest is not None and actual != digest:

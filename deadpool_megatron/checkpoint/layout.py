@@ -47,8 +47,8 @@ class ProtectedState(Protocol):
     def capture_metadata(self, iteration: int, extra: dict) -> bytes:
         """Everything besides tensors a restored rank needs (scheduler, RNG, ...)."""
 
-    def restore_metadata(self, blob: bytes) -> dict:
-        """Apply captured metadata; returns it decoded (with its "iteration")."""
+    def restore_metadata(self, meta: dict) -> None:
+        """Apply captured metadata, decoded (checkpoint/metadata.py)."""
 
     def write_from(self, flat: torch.Tensor) -> None:
         """Copy a whole flat buffer back into the live tensors."""

@@ -63,7 +63,7 @@ class ProtectionPipeline:
         local_ranks: int = 1,
         metadata: dict | None = None,
         install_fence: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
-        before_send: Callable[[int], None] | None = None,
+        before_send: Callable[[int], bool | None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ):
         """`install_fence(fence)` makes the training loop call `fence()` before every optimizer

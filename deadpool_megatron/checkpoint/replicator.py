@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .buffers import SAMPLES, CorruptCopy, Slot, SlotPair, checksum
+from .buffers import MAX_META_BYTES, SAMPLES, CorruptCopy, Slot, SlotPair, checksum
 from .transport import Transport
 
 log = logging.getLogger("deadpool.replicate")
@@ -54,7 +54,7 @@ class RingReplicator:
         snapshots: SlotPair,
         payload_nbytes: int,
         replica_nbytes: dict[int, int],
-        before_send: Callable[[int], None] | None = None,
+        before_send: Callable[[int], bool | None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ):
         self.transport = transport
@@ -71,7 +71,8 @@ class RingReplicator:
         self._stop = False
         self._aborted = False
         self._corrupt_next: set[int] = set()
-        self.before_send = before_send  # fault injection: the iteration about to be sent
+        # Fault injection: the iteration about to be sent; True sends it with bytes flipped.
+        self.before_send = before_send
         self.on_error = on_error  # called (from this thread) with the error that stopped it
         self._thread = threading.Thread(target=self._run, name="deadpool-replicate", daemon=True)
         self._thread.start()
@@ -135,10 +136,11 @@ class RingReplicator:
                 sends, held, cpu = [], None, time.thread_time()
                 if self.successors and not sent_stop:
                     held, sent_stop = self._next_to_send(last_sent)
+                    flip = False
                     if held is not None and self.before_send is not None:
-                        self.before_send(held.iteration)
+                        flip = bool(self.before_send(held.iteration))
                     posted = time.perf_counter()
-                    sends = self._post_sends(held, sent_stop)
+                    sends = self._post_sends(held, sent_stop, flip)
                     if held is not None:
                         last_sent = held.iteration
                 for src in list(open_preds):
@@ -158,14 +160,18 @@ class RingReplicator:
             if self.on_error is not None:
                 self.on_error(err)
 
-    def _post_sends(self, slot: Slot | None, stop: bool) -> list:
+    def _post_sends(self, slot: Slot | None, stop: bool, flip: bool = False) -> list:
         flags = (FLAG_DATA if slot is not None else 0) | (FLAG_STOP if stop else 0)
         if slot is None:
             header = HEADER.pack(flags, -1, 0, 0, 0)
             tensors = [_bytes_tensor(header)]
         else:
             payload = slot.buffer[: self.payload_nbytes]
-            digest = checksum(payload, slot.meta)
+            digest = checksum(payload, slot.meta, slot.iteration)
+            if flip:  # corrupt@: in flight only, the committed snapshot stays intact
+                payload = payload.clone()
+                payload[: min(64, self.payload_nbytes)] ^= 0xFF
+                log.warning("sending the replica of iteration %d corrupted", slot.iteration)
             header = HEADER.pack(flags, slot.iteration, len(slot.meta), self.payload_nbytes, digest)
             tensors = [_bytes_tensor(header), _bytes_tensor(slot.meta), payload]
         works = []
@@ -182,6 +188,9 @@ class RingReplicator:
         self.transport.irecv(header, src).wait()
         flags, iteration, meta_len, payload_len, digest = HEADER.unpack(header.numpy().tobytes())
         if flags & FLAG_DATA:
+            if not 0 <= meta_len <= MAX_META_BYTES:
+                raise RuntimeError(f"rank {src} announced {meta_len} bytes of metadata: a "
+                                   f"corrupt header")  # fmt: skip
             meta = torch.empty(meta_len, dtype=torch.uint8)
             if meta_len:
                 self.transport.irecv(meta, src).wait()

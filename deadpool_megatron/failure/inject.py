@@ -16,8 +16,9 @@ from typing import NamedTuple
 from ..errors import ConfigError
 
 # raise = transient: the process stays alive; unhealthy: its device fails the health check;
-# slow: a healthy but slow phase (the training thread computes holding the GIL)
-ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow")
+# slow: a healthy but slow phase (the training thread computes holding the GIL); corrupt: the
+# rank's replica of ITER has bytes flipped in flight (its successors must reject it)
+ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save")
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
@@ -28,7 +29,8 @@ GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
     "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE], "
     "unhealthy@RANK:ITER[:PHASE], slow@RANK:ITER[:PHASE] "
-    f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), kill-spare@INDEX:ITER; "
+    f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), corrupt@RANK:ITER (phase replicate), "
+    "kill-spare@INDEX:ITER; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )
 
@@ -78,6 +80,10 @@ def parse_fault(spec: str, world_size: int | None = None, spares: int | None = N
         if spares is not None and target >= spares:
             raise _bad(spec, f"spare index {target} out of range: the job has {spares} spare(s)")
         return Fault(action, target, iteration, None)
+    if action == "corrupt":
+        if phase not in (None, "replicate"):
+            raise _bad(spec, "corrupt acts on a replica in flight: its phase is replicate")
+        phase = "replicate"
     if phase is None:
         phase = DEFAULT_PHASE
     elif phase not in PHASES:

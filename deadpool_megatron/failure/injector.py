@@ -5,7 +5,8 @@ thread stops, heartbeats included, as a hung node would); raise: an `InjectedFau
 in the training thread (a transient error: the process stays alive and healthy); unhealthy:
 its device fails every health check from then on (alive and beating, but unfit); slow: the
 training thread computes while holding the GIL (no heartbeat gets out) for a while, as a long
-checkpoint save or kernel launch would: a healthy process that must not be accused. The time
+checkpoint save or kernel launch would: a healthy process that must not be accused; corrupt:
+the replication thread sends the replica of that iteration with bytes flipped. The time
 of each injection is reported first, so detection latency can be measured from it.
 """
 
@@ -59,8 +60,10 @@ class FaultInjector:
         self._fired: set[Fault] = set()
         self.on_unhealthy = None  # set by whoever runs the health checks
 
-    def fire(self, iteration: int, phase: str) -> None:
-        """Called at each phase of each iteration; does nothing unless a fault is due."""
+    def fire(self, iteration: int, phase: str) -> bool:
+        """Called at each phase of each iteration; does nothing unless a fault is due.
+        True when the caller must corrupt what it is about to send (corrupt@)."""
+        corrupt = False
         for fault in faults_at(self.faults, iteration, phase, self.rank):
             if fault in self._fired:  # a re-executed iteration does not fail again
                 continue
@@ -83,5 +86,8 @@ class FaultInjector:
             elif fault.action == "slow":
                 hold_gil(self.slow_s, stretch_s=self.slow_s / 2.4)
                 log.warning("%s: slow phase over after %.1f s", fault, time.time() - at)
+            elif fault.action == "corrupt":
+                corrupt = True
             else:
                 raise InjectedFault(f"injected transient fault {fault}")
+        return corrupt

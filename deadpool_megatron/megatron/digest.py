@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
+
+from .exchange import all_gather_bytes
 
 
 def inner_optimizers(optimizer) -> list:
@@ -55,7 +56,5 @@ def local_digest(model: list, optimizer) -> str:
 
 def state_digest(model: list, optimizer) -> str:
     """Collective over the default group: every rank gets the same job-wide digest."""
-    mine = local_digest(model, optimizer)
-    everyone: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return hashlib.sha256("".join(everyone).encode()).hexdigest()
+    everyone = all_gather_bytes(local_digest(model, optimizer).encode())
+    return hashlib.sha256(b"".join(everyone)).hexdigest()

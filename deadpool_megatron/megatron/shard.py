@@ -14,10 +14,9 @@ first capture checks the live state against the plan.
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 
+from ..checkpoint import metadata
 from ..checkpoint.layout import Entry, StateLayout, align, itemsize, numel
 from ..errors import DeadpoolError
 from .digest import inner_optimizers
@@ -145,7 +144,8 @@ class RankState:
 
     # -- metadata ---------------------------------------------------------------------------
     def capture_metadata(self, iteration: int, extra: dict) -> bytes:
-        """Everything besides tensors that a restored rank needs, as bytes."""
+        """Everything besides tensors that a restored rank needs, as bytes (JSON: a peer's
+        replica never unpickles)."""
         grad_scaler = getattr(inner_optimizers(self.optimizer)[0], "grad_scaler", None)
         meta = {
             "iteration": iteration,
@@ -155,10 +155,9 @@ class RankState:
             "param_groups": capture_param_groups(self.optimizer),
             **extra,
         }
-        return pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+        return metadata.encode(meta)
 
-    def restore_metadata(self, blob: bytes) -> dict:
-        meta = pickle.loads(blob)
+    def restore_metadata(self, meta: dict) -> None:
         # load_state_dict *advances* the scheduler by the saved step count: start from zero so a
         # surviving rank that rolls back lands on the saved count, not on the sum.
         self.scheduler.num_steps = 0
@@ -168,7 +167,6 @@ class RankState:
             grad_scaler.load_state_dict(meta["grad_scaler"])
         restore_rng_state(meta["rng"])
         restore_param_groups(self.optimizer, meta["param_groups"])
-        return meta
 
     # -- bulk copies ------------------------------------------------------------------------
     @torch.no_grad()

@@ -55,9 +55,10 @@ class Guard:
     def inject(self, iteration: int, phase: str) -> None:
         self.injector.fire(iteration, phase)
 
-    def before_send(self, iteration: int) -> None:
-        """The replication thread is about to send `iteration` (fault phase "replicate")."""
-        self.injector.fire(iteration, "replicate")
+    def before_send(self, iteration: int) -> bool:
+        """The replication thread is about to send `iteration` (fault phase "replicate");
+        True: send it corrupted."""
+        return self.injector.fire(iteration, "replicate")
 
     def after_warmup(self, on_gpu: bool) -> None:
         """Heartbeats and health checks, from the end of the first iteration on (imports and

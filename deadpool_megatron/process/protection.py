@@ -15,6 +15,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.transport import GlooTransport
 from ..config import JobConfig
 from ..megatron import parallel
+from ..megatron.exchange import all_gather_ints
 from ..megatron.fence import step_fence_installer
 from ..megatron.model import TrainState
 from ..megatron.shard import RankState
@@ -28,7 +29,7 @@ def build_pipeline(
     env: ProcessEnv,
     on_gpu: bool,
     generation: int = 0,
-    before_send: Callable[[int], None] | None = None,
+    before_send: Callable[[int], bool | None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
 ) -> ProtectionPipeline:
     """Collective over every rank: the ring groups are created, then shard sizes exchanged
@@ -44,9 +45,8 @@ def build_pipeline(
     coords = topo.coords(rank)
     rank_state = RankState(state.model, state.optimizer, state.scheduler)
     # Replica sizes come from the ring's own (gloo) group: predecessors are all on it.
-    sizes: list[int] = [0] * dist.get_world_size(group)
-    dist.all_gather_object(sizes, rank_state.layout.optimizer_nbytes, group=group)
-    shard_sizes = dict(zip(dist.get_process_group_ranks(group), sizes, strict=True))
+    sizes = all_gather_ints([rank_state.layout.optimizer_nbytes], group)
+    shard_sizes = {r: n for r, (n,) in zip(dist.get_process_group_ranks(group), sizes, strict=True)}
     predecessors = topo.ring_predecessors(rank, k)
     return ProtectionPipeline(
         rank_state,

@@ -26,7 +26,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control.context import JobContext
 from ..failure.progress import ProgressBoard
-from ..megatron import cpu_backend, upstream
+from ..megatron import cpu_backend, parallel, upstream
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.model import TrainState, train_state
@@ -181,10 +181,13 @@ class UpstreamSession(ProtectedLoop):
             "rebuild_model": time.perf_counter() - pending.started,
         }
         try:
+            t = time.perf_counter()
+            host = parallel.host_group()  # before any fault can strike: creation can't be aborted
+            phases["rebuild_communicators"] += time.perf_counter() - t
             materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
             self.recovery.inject_recovery_fault()
             rebuilt = Rebuilt(self.position, state, self.position.on_gpu, phases,
-                              pending.old_groups)  # fmt: skip
+                              pending.old_groups, host)  # fmt: skip
             self.recovery.complete(pending.plan, rebuilt)
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from ..checkpoint.buffers import Slot, SlotPair
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.restore import (
+    Expected,
     recv_part,
     restore_from_parts,
     restore_from_snapshot,
@@ -59,6 +60,7 @@ from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import parallel
 from ..megatron.checkpointing import materialize_optimizer_state
+from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import live_groups, stale_groups
 from ..megatron.model import TrainState, build_train_state
 from ..megatron.shard import RankState
@@ -144,6 +146,7 @@ class Rebuilt:
     on_gpu: bool
     phases: dict[str, float]
     old_groups: list  # held while verifying: their ids stay unique
+    host: dist.ProcessGroup  # parallel.host_group(): restore and verify move host memory on it
 
 
 MakeTrainer = Callable[[TrainState, bool], Trainer]
@@ -262,11 +265,10 @@ class ProcessRecovery:
 
     def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         """Stages 5-7 once the generation's groups, model and optimizer are built. Restore
-        and verify move host memory: they go through a gloo group over every rank, made here
+        and verify move host memory: they go through the rebuild's gloo group over every rank
         (in an NCCL job the default group cannot carry CPU tensors)."""
-        group = parallel.host_group()
-        restored = self.restore(rebuilt, plan, group)
-        self.verify(plan, restored, rebuilt, group)
+        restored = self.restore(rebuilt, plan, rebuilt.host)
+        self.verify(plan, restored, rebuilt, rebuilt.host)
         self.resume(plan, rebuilt)
 
     # -- 1. stop -----------------------------------------------------------------------------
@@ -333,6 +335,7 @@ class ProcessRecovery:
             self.cfg, self.env.rank, self.env.world_size, self.store,
             prefix=self.ctx.store_prefix(plan.generation),
         )  # fmt: skip
+        host = parallel.host_group()  # with the other groups: before any fault can strike
         phases = {"rebuild_communicators": time.perf_counter() - t}
         t = time.perf_counter()
         state = build_train_state(self.cfg, on_gpu)
@@ -341,7 +344,7 @@ class ProcessRecovery:
             trainer = make_trainer(state, on_gpu)
         phases["rebuild_model"] = time.perf_counter() - t
         self.inject_recovery_fault()
-        return Rebuilt(trainer, state, on_gpu, phases, old_groups)
+        return Rebuilt(trainer, state, on_gpu, phases, old_groups, host)
 
     def reset_communicators(self, plan: RecoveryPlan) -> list:
         """Tear down every group and meet the generation on the store; returns the groups
@@ -405,12 +408,14 @@ class ProcessRecovery:
                     )
                 parts[tr.kind] = (data, meta)
                 self.bytes_moved += nbytes  # counted once, by the receiver
+        c = self.topology.coords(me)
+        expected = Expected(plan.iteration, (c.tp, c.pp, c.dp))
         if me in plan.local_restores:
             _, slot = self.held.snapshot(plan.iteration)
-            restored = restore_from_snapshot(rank_state, slot)
+            restored = restore_from_snapshot(rank_state, slot, expected)
         else:
             (optimizer_part, meta), (params_part, _) = parts["replica"], parts["parameters"]
-            restored = restore_from_parts(rank_state, optimizer_part, meta, params_part)
+            restored = restore_from_parts(rank_state, optimizer_part, meta, params_part, expected)
         rebuilt.phases["transfer_state"] = time.perf_counter() - t
         return restored
 
@@ -421,19 +426,20 @@ class ProcessRecovery:
         """Every rank checks the same facts about everyone before anyone resumes."""
         t = time.perf_counter()
         check_plan(plan, self.topology)
-        view = hashlib.sha1(plan.membership.encode()).hexdigest()
-        mine = (plan.generation, restored, view, parallel.coordinates())
-        everyone: list = [None] * self.env.world_size
-        dist.all_gather_object(everyone, mine, group=group)
+        view = int.from_bytes(hashlib.sha1(plan.membership.encode()).digest()[:8], "little",
+                              signed=True)  # fmt: skip
+        mine = (plan.generation, restored, view, *parallel.coordinates())
         problems = []
-        for rank, (generation, iteration, membership, coords) in enumerate(everyone):
+        for rank, facts in enumerate(all_gather_ints(mine, group)):
+            generation, iteration, membership, *coords = facts
             if generation != plan.generation or membership != view:
-                problems.append(f"rank {rank} is in generation {generation} / view {membership}")
+                problems.append(f"rank {rank} is in generation {generation} / view "
+                                f"{membership:#x}")  # fmt: skip
             if iteration != plan.iteration:
                 problems.append(f"rank {rank} restored iteration {iteration}")
             expected = self.topology.coords(rank)
             if tuple(coords) != (expected.tp, expected.pp, expected.dp):
-                problems.append(f"rank {rank} holds coordinates {coords}")
+                problems.append(f"rank {rank} holds coordinates {tuple(coords)}")
         if problems:
             raise RecoveryFailed(
                 f"generation {plan.generation} does not hold at iteration {plan.iteration}: "

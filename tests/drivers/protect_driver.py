@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool_megatron.checkpoint.restore import (
+    Expected,
     recv_part,
     restore_from_parts,
     restore_from_snapshot,
@@ -130,6 +131,10 @@ class Checks:
                 if not good:
                     self.results["mismatches"].append([i, holder["rank"], src, iteration])
 
+    def _coordinates(self, rank: int) -> tuple[int, int, int]:
+        c = self.topo.coords(rank)
+        return (c.tp, c.pp, c.dp)
+
     def restore_from_replica(self, trainer, victim: int) -> None:
         pipeline = trainer.pipeline
         successor = self.topo.ring_successors(victim, 1)[0]
@@ -141,7 +146,10 @@ class Checks:
             optimizer_part, meta, it_opt = recv_part(layout.optimizer_nbytes, successor)
             params_part, _, it_params = recv_part(layout.params_nbytes, peer)
             assert it_opt == it_params == trainer.iteration, (it_opt, it_params)
-            restored = restore_from_parts(pipeline.state, optimizer_part, meta, params_part)
+            expected = Expected(trainer.iteration, self._coordinates(victim))
+            restored = restore_from_parts(
+                pipeline.state, optimizer_part, meta, params_part, expected
+            )
             trainer.attach(trainer.state, restored, pipeline)
             self.restored_here.append(
                 ["replica", trainer.iteration, victim, time.perf_counter() - start]
@@ -158,7 +166,11 @@ class Checks:
             pipeline.snapshotter.wait_committed()
             wipe(trainer)
             start = time.perf_counter()
-            restored = restore_from_snapshot(pipeline.state, pipeline.snapshotter.slots.committed())
+            restored = restore_from_snapshot(
+                pipeline.state,
+                pipeline.snapshotter.slots.committed(),
+                Expected(trainer.iteration, self._coordinates(victim)),
+            )
             trainer.attach(trainer.state, restored, pipeline)
             self.restored_here.append(
                 ["local", trainer.iteration, victim, time.perf_counter() - start]

@@ -100,6 +100,19 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
     assert done["bytes_moved"] > 0  # parameters + optimizer shard, to the spare only
 
 
+def test_corrupted_replica_is_rejected_and_the_recovery_rolls_back_past_it_bitwise(
+    tmp_path, baseline_pp2
+):
+    # Rank 1's replica of iteration 6 reaches rank 0 (its ring successor) corrupt and is
+    # rejected; rank 1 dies late in iteration 7: the newest iteration whole everywhere is 5.
+    spec = "corrupt@1:6,kill@1:7:optimizer"
+    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1)
+    _assert_same_run(result, baseline_pp2)
+    assert "rejected replica from rank 1" in result.output
+    (done,) = _assert_recovered(events)
+    assert done["iteration"] == 5 and done["replaced"] == {"1": "spare-0"}
+
+
 def test_fused_adam_step_kept_in_param_groups_survives_a_hot_swap_bitwise(tmp_path):
     # apex's and TE's FusedAdam keep `step` in the param groups; building the spare's optimizer
     # sets it to 1, so only the snapshot's param groups carry the true count (bias correction).

@@ -37,6 +37,16 @@ def test_checksum_covers_bytes_and_metadata():
     assert checksum(flipped, b"x") != checksum(buf, b"x")
 
 
+def test_checksum_covers_the_iteration_a_header_announces():
+    buf = torch.arange(64, dtype=torch.uint8)
+    assert checksum(buf, b"x", 7) != checksum(buf, b"x", 8)
+    pair = SlotPair(64)
+    slot = pair.acquire_for_write()
+    slot.buffer.copy_(buf)
+    with pytest.raises(CorruptCopy):  # the bytes of iteration 7, announced as iteration 8
+        pair.commit(slot, 8, b"x", checksum(buf, b"x", 7))
+
+
 def test_corrupt_copy_is_rejected_and_the_previous_commit_stays():
     pair = SlotPair(32)
     _write(pair, 7, 1)

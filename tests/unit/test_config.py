@@ -69,7 +69,7 @@ def test_every_config_field_is_a_flag_with_help():
         (
             ["--deadpool", "--tensor-model-parallel-size", "4"],
             8,
-            "DeadPool needs a data-parallel size of at least 2",
+            "--deadpool-replicas 1 needs 0 <= K <= data-parallel size - 1 (data-parallel size is 1",
         ),
         (["--deadpool-snapshot-interval", "0"], 8, "--deadpool-snapshot-interval=0 must be"),
     ],

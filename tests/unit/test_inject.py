@@ -17,16 +17,19 @@ from deadpool_megatron.failure.inject import (
 
 
 def test_valid_specs_parse_in_order_with_the_default_phase():
-    faults = parse_faults("kill@5:20, hang@0:7:snapshot,raise@3:30:backward,kill-spare@1:40")
+    faults = parse_faults(
+        "kill@5:20, hang@0:7:snapshot,raise@3:30:backward,kill-spare@1:40,corrupt@2:6"
+    )
     assert faults == (
         Fault("kill", 5, 20, DEFAULT_PHASE),
         Fault("hang", 0, 7, "snapshot"),
         Fault("raise", 3, 30, "backward"),
         Fault("kill-spare", 1, 40, None),
+        Fault("corrupt", 2, 6, "replicate"),  # a replica in flight: its only phase
     )
     assert DEFAULT_PHASE == "forward"
-    assert [f.transient for f in faults] == [False, False, True, False]
-    assert [f.on_spare for f in faults] == [False, False, False, True]
+    assert [f.transient for f in faults] == [False, False, True, False, False]
+    assert [f.on_spare for f in faults] == [False, False, False, True, False]
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -56,6 +59,7 @@ def test_empty_means_no_faults(text):
         ("kill@1:5,,raise@2:6", "", "not of the form"),
         ("kill@1:5,hang@1:5", "hang@1:5:forward", "conflicts with 'kill@1:5:forward'"),
         ("KILL@1:5", "KILL@1:5", "not of the form"),
+        ("corrupt@1:5:forward", "corrupt@1:5:forward", "its phase is replicate"),
     ],
 )
 def test_bad_specs_name_the_spec_and_show_the_grammar(text, bad, why):
