@@ -30,7 +30,7 @@ setup(
         # NVIDIA apex is built from source: see the README ("GPU clusters").
         "gpu": ["transformer-engine[pytorch]"],
         "mpi": ["mpi4py>=4"],
-        "test": ["pytest>=8", "pytest-timeout", "ruff"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff", "hypothesis"],
     },
     entry_points={
         "console_scripts": [

@@ -237,6 +237,14 @@ class DeadpoolConfig:
         "what was lost; the default without --save).",
         choices=("checkpoint-restart", "stop"),
     )
+    deadpool_replenish_spares: bool = knob(
+        True,
+        "When a process is lost on a node that is still healthy (a worker replaced by a spare, "
+        "or an idle spare that died), its agent starts a fresh spare there once the recovery "
+        "is through, so the pool refills (--no-deadpool-replenish-spares: the pool only "
+        "drains). Not after a health-check failure on that node, nor after 3 fresh spares in a "
+        "row died before they were ready.",
+    )
     deadpool_verify_groups: bool = knob(
         False,
         "After each recovery, walk every object reachable from training and megatron-core's "
@@ -286,6 +294,11 @@ def _require(cond: bool, message: str) -> None:
 def validate(cfg: JobConfig, world_size: int) -> JobConfig:
     """Check every value and combination; fill derived defaults. Pure: no I/O but file checks."""
     p, m, t, d, c, lg = cfg.parallel, cfg.model, cfg.training, cfg.data, cfg.checkpoint, cfg.logging
+    for name, value in cfg.flat().items():  # nan passes every range check below: refuse it first
+        _require(
+            not isinstance(value, float) or math.isfinite(value),
+            f"--{name.replace('_', '-')}={value} must be a finite number",
+        )
     for name, value in (
         ("world size", world_size),
         ("--tensor-model-parallel-size", p.tensor_model_parallel_size),

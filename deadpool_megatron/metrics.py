@@ -1,7 +1,8 @@
 """Megatron-style iteration lines and the per-iteration metrics file.
 
 The metrics file is the witness every failure test compares against: losses as exact hex
-floats per iteration, and a final state digest.
+floats per iteration, and a final state digest. It is appended to, so an iteration a recovery
+replays has one line per execution: the replay can be compared with the original.
 """
 
 from __future__ import annotations
@@ -78,3 +79,15 @@ def read_metrics(path: str) -> tuple[dict[int, str], dict | None]:
             elif "iteration" in record:
                 losses[record["iteration"]] = record["lm_loss_hex"]
     return losses, final
+
+
+def read_executions(path: str) -> dict[int, list[str]]:
+    """iteration -> the loss hex of every execution, in the order they ran (a replayed
+    iteration has more than one)."""
+    runs: dict[int, list[str]] = {}
+    with open(path) as fh:
+        for line in fh:
+            record = json.loads(line)
+            if record.get("event") != "final" and "iteration" in record:
+                runs.setdefault(record["iteration"], []).append(record["lm_loss_hex"])
+    return runs

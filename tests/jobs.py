@@ -7,10 +7,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from deadpool_megatron.metrics import read_metrics
+from deadpool_megatron.metrics import read_executions, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300
@@ -22,6 +22,7 @@ class JobResult:
     output: str
     losses: dict[int, str]
     final: dict | None
+    executions: dict[int, list[str]] = field(default_factory=dict)  # every run of an iteration
 
     @property
     def digest(self) -> str | None:
@@ -68,8 +69,7 @@ def run_job(
         ) from None
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     (tmp_path / f"{name}.log").write_text(done.stdout + done.stderr)
-    losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)
-    return JobResult(done.returncode, done.stdout + done.stderr, losses, final)
+    return _result(done.returncode, done.stdout + done.stderr, metrics)
 
 
 def run_job_and_kill(
@@ -113,5 +113,11 @@ def run_job_and_kill(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     (tmp_path / "killed.log").write_text("".join(lines))
-    losses, final = read_metrics(str(metrics)) if metrics.exists() else ({}, None)
-    return JobResult(proc.returncode, "".join(lines), losses, final), victim_pid, signalled_at
+    return _result(proc.returncode, "".join(lines), metrics), victim_pid, signalled_at
+
+
+def _result(returncode: int, output: str, metrics: Path) -> JobResult:
+    if not metrics.exists():
+        return JobResult(returncode, output, {}, None)
+    losses, final = read_metrics(str(metrics))
+    return JobResult(returncode, output, losses, final, read_executions(str(metrics)))

@@ -45,12 +45,11 @@ from ..events import (
     JOB_ENDED,
     JOB_RESTART,
     NODE_LOST,
-    SPARE_LOST,
     SUSPECTED,
     EventLog,
 )
 from ..failure.classify import describe
-from ..failure.evidence import ProcessExited, describe_exit
+from ..failure.evidence import HealthCheckFailed, ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
 from ..recovery.coordinator import Coordinator
 from ..runtime import ROLE_SPARE, ROLE_WORKER
@@ -59,6 +58,8 @@ from .children import Child, Children, Launch, job_env
 from .decide import Action, respond
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
 from .nodes import Hosted, Lease, NodeWatch
+from .pool import SparePool
+from .replenish import Replenisher, SpareStart
 from .settings import LaunchSettings
 
 log = logging.getLogger("deadpool.launch")
@@ -144,9 +145,11 @@ class Agent:
     def spare_index(self, s: int, node: int | None = None) -> int:
         """Globally unique: every node numbers its spares in its own block, as wide as the
         most spares any node has."""
+        return (self.node if node is None else node) * self._slots() + s
+
+    def _slots(self) -> int:
         a = self.args
-        slots = max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
-        return (self.node if node is None else node) * slots + s
+        return max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
 
     def expected_spares(self) -> list[str]:
         a = self.args
@@ -231,6 +234,11 @@ class Agent:
         p = self.settings.protection
         workers = {c.index: c for c in self.children.all if c.role == ROLE_WORKER}
         spares = [c for c in self.children.all if c.role == ROLE_SPARE]
+        replenisher = Replenisher(p.deadpool and p.deadpool_replenish_spares,
+                                  first_index=self.node_count * self._slots() + self.node,
+                                  stride=self.node_count)  # fmt: skip
+        pool = SparePool(self.node, spares, replenisher, self._start_spare, self.kv,
+                         self.job_id, self.events, self.settings.spare_kills())  # fmt: skip
         monitor = Monitor(
             self.ctx, sorted(workers), lambda r: workers[r].proc.poll(),
             p.deadpool_heartbeat_interval, HangPolicy.from_config(p),
@@ -248,7 +256,12 @@ class Agent:
         own_needed = max(1, int(p.deadpool_node_timeout / p.deadpool_heartbeat_interval) - 1)
         nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count)),
                           p.deadpool_node_timeout, renewed, own_needed)  # fmt: skip
-        return Run(workers, spares, monitor, coordinator, chaos, nodes, up=not p.deadpool)
+        return Run(workers, pool, monitor, coordinator, chaos, nodes, up=not p.deadpool)
+
+    def _start_spare(self, start: SpareStart) -> Child:
+        env = job_env(self.job_id, self.port, self.fault_scope)
+        return self.children.spawn(ROLE_SPARE, start.index, start.local_rank, env,
+                                   self.extra_args)  # fmt: skip
 
     def _stop(self, stop: Stop | None) -> int | None:
         if stop is None:
@@ -266,13 +279,12 @@ class Agent:
             return self._end(str(err))
 
     def _watch(self, run: Run) -> int:
-        spare_kills = self.settings.spare_kills()
         next_store_look = 0.0
         next_membership_check = 0.0
         while True:
             self._hosted = Hosted(
                 self.ctx.generation, tuple(sorted(run.workers)),
-                tuple(spare_id(c.index) for c in run.spares if c.alive()),
+                run.pool.alive_ids(),
             )  # fmt: skip
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name
@@ -297,12 +309,14 @@ class Agent:
                     log.error("recovery into generation %d did not finish within %.0f s; "
                               "ending the job", pending.generation, RECOVERY_TIMEOUT_S)  # fmt: skip
                     return self._end("recovery timed out")
-            self._watch_spares(run.spares, spare_kills, run.monitor.iteration)
+            run.pool.watch(run.monitor.iteration)
             running = coordinator.pending is None and not run.monitor.training_over()
+            if running and run.up:
+                run.pool.refill()
             run.chaos.step(run.monitor.iteration, running=running)
             if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
-                run.up = self._membership_up(run.spares)
+                run.up = self._membership_up(run.pool.idle)
             if run.workers and all(c.proc.poll() == 0 for c in run.workers.values()):
                 return self.finish(run)
             time.sleep(POLL_S)
@@ -350,6 +364,8 @@ class Agent:
                 log.error("rank %d failed and the job has no --deadpool protection; ending it",
                           c.rank)  # fmt: skip
             return self._end(f"failure of rank {c.rank}")
+        if isinstance(c.evidence, HealthCheckFailed):
+            run.pool.node_unfit(f"rank {c.rank} failed its health check: {c.reason}")
         if not response.replace:
             run.monitor.record_transient(c.rank, c.evidence.at)
         permanent = {c.rank} if response.replace else set()
@@ -392,27 +408,6 @@ class Agent:
         """A late heartbeat from a process that is still progressing: say so, never fence."""
         log.warning("rank %d suspected, not fenced: %s", rank, reason)
         self.events.emit(SUSPECTED, rank=rank, reason=reason)
-
-    def _watch_spares(self, spares: list[Child], spare_kills: list, iteration: int) -> None:
-        for fault in list(spare_kills):
-            if iteration >= fault.iteration:
-                spare_kills.remove(fault)
-                for child in spares:
-                    if child.index == fault.target and child.alive():
-                        log.warning("injecting %s (pid %d)", fault, child.proc.pid)
-                        child.kill()
-        for child in spares:
-            rc = child.proc.poll()
-            if rc is not None and not child.reported:
-                child.reported = True
-                if rc != 0:
-                    log.warning(
-                        "spare %d (pid %d) %s; it leaves the pool and the job goes on",
-                        child.index, child.proc.pid, describe_exit(rc),
-                    )  # fmt: skip
-                    self.kv.delete(keys.spare(self.job_id, spare_id(child.index)))
-                    self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
-                                     how=describe_exit(rc))  # fmt: skip
 
     def _membership_up(self, spares: list[Child]) -> bool:
         """Node 0 records generation 0's membership once every rank (and every spare that
@@ -500,7 +495,8 @@ class Agent:
         try:
             wait_until(lambda: self.ctx.get(finished, Flag), FINISH_TIMEOUT_S,
                        "every node's workers to succeed", interval_s=0.2)  # fmt: skip
-            wait_until(lambda: True if not any(s.alive() for s in run.spares) else None,
+            run.pool.stop_warming()
+            wait_until(lambda: True if not run.pool.size() else None,
                        SPARES_EXIT_S, "the spares to exit", interval_s=0.05)  # fmt: skip
         except StoreTimeout as err:
             log.warning("%s; stopping what is left", err)

@@ -54,6 +54,7 @@ class Child:
     board: ProgressBoard  # its progress marks, read from shared memory
     pump: threading.Thread | None = None
     reported: bool = field(default=False)  # its exit was reported (spares)
+    local_rank: int = 0  # its slot on this node (its device on a GPU node)
 
     @property
     def label(self) -> str:
@@ -129,7 +130,8 @@ class Children:
             start_new_session=True,
             preexec_fn=_AGENT_DEATH,  # noqa: PLW1509 (a prctl only; the agent forks rarely)
         )
-        child = Child(role, index, proc, ProgressBoard(board, writable=False))
+        child = Child(role, index, proc, ProgressBoard(board, writable=False),
+                      local_rank=local_rank)  # fmt: skip
         log.info("started %s (pid %d)", child.name, proc.pid)
         child.pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
         child.pump.start()

@@ -28,6 +28,7 @@ from ..control.messages import (
     spare_id,
 )
 from ..control.monitor import Monitor
+from ..control.store import StoreTimeout
 from ..control.wait import wait_until
 from ..events import FENCED, EventLog
 from ..recovery.coordinator import Coordinator, OrderExists
@@ -35,12 +36,15 @@ from ..recovery.placement import order_spares
 from ..recovery.plan import Unrecoverable
 from .children import Child
 from .nodes import NodeWatch
+from .pool import SparePool
 
 log = logging.getLogger("deadpool.launch")
 
 RECOVERY_TIMEOUT_S = 300.0
 FOLLOW_POLL_S = 0.02
 NODE_LOOK_S = 0.1  # other nodes' leases, read during a gather
+SPARE_START_WAIT_S = 120.0  # a recovery short of spares waits this long for starting ones
+SPARE_POLL_S = 0.2
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Run:
     processes and the watchers over them."""
 
     workers: dict[int, Child]  # rank -> the local process holding it
-    spares: list[Child]  # local idle spares
+    pool: SparePool  # local idle spares
     monitor: Monitor
     coordinator: Coordinator
     chaos: Chaos
@@ -117,7 +121,7 @@ class HotSwap:
             ),
         )
         try:
-            plan = coordinator.decide(rec, held, self._free_spares(rec.permanent))
+            plan = coordinator.decide(rec, held, self._spares_for(rec.generation, rec.permanent))
         except Unrecoverable as err:
             lost = sorted(rec.permanent) or ["?"]
             if self.on_unrecoverable == "checkpoint-restart":
@@ -139,12 +143,41 @@ class HotSwap:
             self.run.lost_nodes.extend(self.run.nodes.poll())
         return self.run.nodes.lost_rank(rank, generation)
 
+    def _spares_for(self, generation: int, failed: set[int]) -> list[str]:
+        """The free spares; when they are fewer than the lost ranks and spares are still
+        starting (a pool being replenished), wait for those first rather than give up."""
+        free = self._free_spares(failed)
+        starting = self._starting()
+        if len(free) >= len(failed) or not starting:
+            return free
+        log.info("recovery into generation %d: %d free spare(s) for %d lost rank(s); waiting "
+                 "up to %.0f s for spare(s) %s, still starting", generation, len(free),
+                 len(failed), SPARE_START_WAIT_S, starting)  # fmt: skip
+
+        def poll() -> tuple[list[str]] | None:
+            free = self._free_spares(failed)
+            return (free,) if len(free) >= len(failed) or not self._starting() else None
+
+        try:
+            (free,) = wait_until(poll, SPARE_START_WAIT_S, "spares still starting",
+                                 interval_s=SPARE_POLL_S)  # fmt: skip
+        except StoreTimeout as err:
+            log.warning("%s; planning with the spares there are", err)
+            free = self._free_spares(failed)
+        return free
+
+    def _starting(self) -> list[str]:
+        """Spares alive here, or listed by a live node's lease, not ready yet."""
+        local = [spare_id(c.index) for c in self.run.pool.idle if c.alive()]
+        ids = dict.fromkeys([*local, *self.run.nodes.hosted_spares()])
+        return [sid for sid in ids if not self._ready(sid)]
+
     def _free_spares(self, failed: set[int]) -> list[str]:
         """The spares free to take over, in the order the plan should use them (by node)."""
         current = MembershipStore(self.kv, self.ctx.job).current()
-        local = {spare_id(c.index): c for c in self.run.spares}
+        local = {spare_id(c.index): c for c in self.run.pool.idle}
         free: dict[str, int | None] = {}
-        for sid in current.spares:
+        for sid in self._candidates(current.spares, local):
             if sid in local:
                 if local[sid].alive():
                     free[sid] = self.node
@@ -159,6 +192,15 @@ class HotSwap:
         }
         busy = self.run.nodes.busy() | ({self.node} if self.run.workers else set())
         return order_spares(where, free, self.run.nodes.lost_nodes(), busy)
+
+    def _candidates(self, members: tuple[str, ...], local: dict[str, Child]) -> list[str]:
+        """The membership's spares, then spares started since (replenishing a pool, here or
+        on another node) once they are ready: one still warming up is not relied on."""
+        new = [sid for sid in (*local, *self.run.nodes.hosted_spares()) if sid not in members]
+        return [*members, *dict.fromkeys(sid for sid in new if self._ready(sid))]
+
+    def _ready(self, sid: str) -> bool:
+        return self.kv.get(keys.spare_heartbeat(self.ctx.job, sid)) is not None
 
     def follow(self, generation: int) -> Stop | None:
         """Take part in a recovery another agent coordinates: say which local ranks will
@@ -215,11 +257,12 @@ class HotSwap:
         for rank, sid in sorted(plan.replaced.items()):
             self.run.replaced_in[rank] = plan.generation
             old = self.run.workers.pop(rank, None)
-            if old is not None and old.alive():
-                old.kill()  # a replaced process must not live on beside its successor
-            spare = next((s for s in self.run.spares if spare_id(s.index) == sid), None)
+            if old is not None:
+                if old.alive():
+                    old.kill()  # a replaced process must not live on beside its successor
+                self.run.pool.worker_lost(old)
+            spare = self.run.pool.take(sid)
             if spare is not None:
-                self.run.spares.remove(spare)
                 self.run.workers[rank] = spare
                 log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid,
                          rank)  # fmt: skip

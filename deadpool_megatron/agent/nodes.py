@@ -184,6 +184,11 @@ class NodeWatch:
                 return node
         return None
 
+    def hosted_spares(self) -> list[str]:
+        """The spares the newest leases of the live nodes list."""
+        return [s for n, seen in sorted(self._seen.items()) if n not in self._lost
+                for s in seen.beat.spares]  # fmt: skip
+
     def lost_rank(self, rank: int, generation: int) -> str | None:
         """For a recovery's coordinator: why a rank hosted elsewhere will never report (its
         node is lost, or its agent said so), else None."""

@@ -101,16 +101,20 @@ class MembershipStore:
             current = Membership.decode(now).generation if now else -1
             raise StaleGeneration(self._job, writer_generation, current)
 
-    def claim_spare(self, spare_id: str, by_generation: int, claimer: str = "") -> bool:
+    def claim_spare(
+        self, spare_id: str, by_generation: int, claimer: str = "", joined: tuple[str, ...] = ()
+    ) -> bool:
         """Atomically claim a free spare for a swap planned in `by_generation`.
 
         True for exactly one of any number of concurrent claimers. A claim whose commit then
         loses leaves the spare marked as claimed by that generation (visible in its claim key).
+        `joined`: spares that registered after this generation's membership was committed (a
+        replenished pool); the caller saw their registrations.
         """
         _, view = self._read()
         if view.generation != by_generation:
             raise StaleGeneration(self._job, by_generation, view.generation)
-        if spare_id not in view.spares:
+        if spare_id not in view.spares and spare_id not in joined:
             raise MembershipError(
                 f"spare {spare_id!r} is not free in generation {view.generation} "
                 f"(free: {list(view.spares)})"

@@ -155,8 +155,11 @@ class Coordinator:
                 view, self.topology, rec.permanent, {r: h for r, (h, _) in held.items()},
                 self.replicas,
             )  # fmt: skip
+            joined = tuple(s for s in free_spares if s not in current.spares)
             for rank, spare_id in sorted(plan.replaced.items()):
-                if not self.membership.claim_spare(spare_id, current.generation, f"rank {rank}"):
+                if not self.membership.claim_spare(
+                    spare_id, current.generation, f"rank {rank}", joined
+                ):
                     raise Unrecoverable(f"spare {spare_id} was claimed by someone else")
             self.membership.commit(
                 Membership(current.generation + 1, plan.membership.ranks, plan.membership.spares),

@@ -168,6 +168,9 @@ def test_spare_is_claimed_exactly_once_under_a_race(connect, job):
         members.claim_spare("spare-0", by_generation=5)
     with pytest.raises(MembershipError, match="spare 'spare-7' is not free"):
         members.claim_spare("spare-7", by_generation=0)
+    # A spare that joined after generation 0 was committed (a replenished pool), once.
+    assert members.claim_spare("spare-7", 0, "r", joined=("spare-7",)) is True
+    assert members.claim_spare("spare-7", 0, "r", joined=("spare-7",)) is False
 
 
 def test_unreachable_tcp_store_names_its_endpoint():

@@ -22,6 +22,12 @@ SHAPE_3D = [*DEMO, "--train-iters", "10", "--deadpool", *HEARTBEATS]
 # DP4 on 4 processes: the ring 0 -> 1 -> 2 -> 3 -> 0.
 SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
              "--train-iters", "10", "--deadpool", *HEARTBEATS]  # fmt: skip
+# Dropout 0.1 on attention scores (megatron's RNG tracker) and hidden states (torch's generator):
+# a restored rank draws the same masks only if every RNG came back with its state.
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+SHAPE_DROPOUT = [*SHAPE_PP2, *DROPOUT]
+# The interleaved 1F1B schedule: two virtual pipeline stages of one layer per rank.
+SHAPE_INTERLEAVED = [*SHAPE_DROPOUT, "--num-layers-per-virtual-pipeline-stage", "1"]
 RANK_PHASES = ("rebuild_communicators", "rebuild_model", "transfer_state", "verify",
                "first_iteration")  # fmt: skip
 
@@ -29,6 +35,13 @@ RANK_PHASES = ("rebuild_communicators", "rebuild_model", "transfer_state", "veri
 @pytest.fixture(scope="module")
 def baseline_pp2(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base_pp2"), 4, SHAPE_PP2, name="baseline")
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def baseline_dropout(tmp_path_factory):
+    result = run_job(tmp_path_factory.mktemp("base_dropout"), 4, SHAPE_DROPOUT, name="baseline")
     assert result.returncode == 0, result.output[-3000:]
     return result
 
@@ -63,14 +76,22 @@ def _assert_same_run(result, baseline):
     assert result.returncode == 0, result.output[-4000:]
     assert result.losses == baseline.losses  # every iteration, replayed ones included
     assert result.digest == baseline.digest
+    for iteration, runs in result.executions.items():  # a replay's loss equals the original's
+        assert set(runs) == {baseline.losses[iteration]}, (iteration, runs)
 
 
-def _assert_recovered(events, recoveries: int = 1):
+def _replays(result) -> int:
+    """How many iteration executions were repeats (one metrics line per execution)."""
+    return sum(len(runs) - 1 for runs in result.executions.values())
+
+
+def _assert_recovered(events, recoveries: int = 1, interval: int = 1):
+    """Every recovery has its phases; it replays at most one snapshot interval."""
     done = _named(events, "recovery_done")
     assert len(done) == recoveries, events
     for d in done:
         assert d["total_s"] > 0, d
-        assert d["replayed_iterations"] <= 1, d
+        assert d["replayed_iterations"] <= interval, d
     phases = {e["phase"] for e in _named(events, "recovery_phase")}
     assert {"detect", "fence", "plan", *RANK_PHASES} <= phases
     return done
@@ -98,6 +119,8 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {str(victim): "spare-0"}
     assert done["bytes_moved"] > 0  # parameters + optimizer shard, to the spare only
+    if victim != 3:  # rank 3 writes the metrics: killed, its last line may be missing
+        assert _replays(result) == done["replayed_iterations"]
 
 
 def test_corrupted_replica_is_rejected_and_the_recovery_rolls_back_past_it_bitwise(
@@ -111,6 +134,34 @@ def test_corrupted_replica_is_rejected_and_the_recovery_rolls_back_past_it_bitwi
     assert "rejected replica from rank 1" in result.output
     (done,) = _assert_recovered(events)
     assert done["iteration"] == 5 and done["replaced"] == {"1": "spare-0"}
+    assert _replays(result) == done["replayed_iterations"] >= 1  # 6 at least runs twice
+
+
+def test_dropout_masks_are_drawn_again_after_a_hot_swap_with_snapshots_every_3_iterations(
+    tmp_path, baseline_dropout, baseline_pp2
+):
+    # Snapshots after iterations 3, 6 and 9; rank 1 dies in iteration 9: every rank rolls back
+    # to 6 and replays 7 and 8, which draw the same dropout masks only if every RNG (Python,
+    # numpy, torch, megatron's tracker) came back from the snapshot or the replica.
+    extra = ["--deadpool-snapshot-interval", "3"]
+    result, events = _run(tmp_path, 4, SHAPE_DROPOUT, "kill@1:9:backward", 1, extra)
+    _assert_same_run(result, baseline_dropout)
+    assert baseline_dropout.losses[1] != baseline_pp2.losses[1]  # dropout is on
+    (done,) = _assert_recovered(events, interval=3)
+    assert done["iteration"] == 6 and done["replaced"] == {"1": "spare-0"}
+    assert _replays(result) == done["replayed_iterations"] == 2
+
+
+def test_interleaved_schedule_with_dropout_survives_a_hot_swap_and_a_reset_bitwise(tmp_path):
+    # Rank 2 (last stage, both of its virtual stages) dies in iteration 6; rank 0 raises in
+    # iteration 9 and is reset in place from its own snapshot.
+    baseline = run_job(tmp_path, 4, SHAPE_INTERLEAVED, name="baseline")
+    assert baseline.returncode == 0, baseline.output[-3000:]
+    spec = "kill@2:6:backward,raise@0:9:forward"
+    result, events = _run(tmp_path, 4, SHAPE_INTERLEAVED, spec, spares=1)
+    _assert_same_run(result, baseline)
+    swap, reset = _assert_recovered(events, recoveries=2)
+    assert swap["replaced"] == {"2": "spare-0"} and reset["replaced"] == {}
 
 
 def test_fused_adam_step_kept_in_param_groups_survives_a_hot_swap_bitwise(tmp_path):
@@ -155,6 +206,19 @@ def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2
     done = _assert_recovered(events, recoveries=2)
     assert [d["replaced"] for d in done] == [{"1": "spare-0"}, {"2": "spare-1"}]
     assert [e["generation"] for e in _named(events, "recovery_started")] == [1, 2]
+
+
+def test_a_fresh_spare_replenishes_the_pool_and_serves_the_next_failure(tmp_path, baseline_pp2):
+    # One spare: it takes over rank 1 (dead in iteration 4), and the agent starts a fresh
+    # spare in the freed slot; rank 2 dies in iteration 7, while that one is still starting:
+    # the recovery waits for it rather than give up.
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:4,kill@2:7", spares=1)
+    _assert_same_run(result, baseline_pp2)
+    first, second = _assert_recovered(events, recoveries=2)
+    assert first["replaced"] == {"1": "spare-0"} and second["replaced"] == {"2": "spare-1"}
+    started = _named(events, "spare_started")
+    assert [(e["spare"], e["local_rank"]) for e in started][:2] == [(1, 1), (2, 2)]
+    assert [e["size"] for e in _named(events, "spare_pool")][:4] == [0, 1, 0, 1]
 
 
 def test_transient_error_resets_in_place_without_a_spare(tmp_path, baseline_pp2):
