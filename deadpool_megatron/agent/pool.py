@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..control import keys
 from ..control.messages import spare_id
-from ..events import SPARE_LOST, SPARE_POOL, SPARE_STARTED, EventLog
+from ..events import FAULT_INJECTED, SPARE_LOST, SPARE_POOL, SPARE_STARTED, EventLog
 from ..failure.evidence import describe_exit
 from .children import Child
 from .replenish import Replenisher, SpareStart
@@ -77,6 +77,7 @@ class SparePool:
             for child in self._spares:
                 if child.index == fault.target and child.alive():
                     log.warning("injecting %s (pid %d)", fault, child.proc.pid)
+                    self.events.emit(FAULT_INJECTED, fault=str(fault), spare=child.index)
                     child.kill()
         for child in self._spares:
             rc = child.proc.poll()
