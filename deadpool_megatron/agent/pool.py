@@ -40,7 +40,7 @@ class SparePool:
         self.kv = kv
         self.job = job
         self.events = events
-        self._kills = list(kills or [])  # kill@spare-N:I faults not yet fired
+        self._kills = list(kills or [])  # kill-spare@INDEX:ITER faults not yet fired
 
     @property
     def idle(self) -> list[Child]:
