@@ -69,7 +69,18 @@ class MetricsWriter:
 
 def read_metrics(path: str) -> tuple[dict[int, str], dict | None]:
     """(iteration -> loss hex, final record) from a metrics file; later lines win on replay."""
-    losses: dict[int, str] = {}
+    runs, final = _read(path)
+    return {iteration: losses[-1] for iteration, losses in runs.items()}, final
+
+
+def read_executions(path: str) -> dict[int, list[str]]:
+    """iteration -> the loss hex of every execution, in the order they ran (a replayed
+    iteration has more than one)."""
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[dict[int, list[str]], dict | None]:
+    runs: dict[int, list[str]] = {}
     final = None
     with open(path) as fh:
         for line in fh:
@@ -77,17 +88,5 @@ def read_metrics(path: str) -> tuple[dict[int, str], dict | None]:
             if record.get("event") == "final":
                 final = record
             elif "iteration" in record:
-                losses[record["iteration"]] = record["lm_loss_hex"]
-    return losses, final
-
-
-def read_executions(path: str) -> dict[int, list[str]]:
-    """iteration -> the loss hex of every execution, in the order they ran (a replayed
-    iteration has more than one)."""
-    runs: dict[int, list[str]] = {}
-    with open(path) as fh:
-        for line in fh:
-            record = json.loads(line)
-            if record.get("event") != "final" and "iteration" in record:
                 runs.setdefault(record["iteration"], []).append(record["lm_loss_hex"])
-    return runs
+    return runs, final

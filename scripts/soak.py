@@ -187,16 +187,19 @@ def watch(proc: subprocess.Popen, events_path: Path, log: Path, settle_s: float 
     return generations
 
 
+NO_GROWTH = {"fd_growth": 0, "thread_growth": 0, "rss_growth_mb": 0.0, "rss_growth_pct": 0.0}
+
+
 def growth(generations: dict[int, dict]) -> dict[str, float]:
     """Per process alive from the first sampled generation to the last: the largest growth."""
     if len(generations) < 2:
-        return {"fd_growth": 0, "thread_growth": 0, "rss_growth_mb": 0.0, "rss_growth_pct": 0.0}
+        return dict(NO_GROWTH)
     first, last = min(generations), max(generations)
     before = {s.pid: s for s in generations[first]["samples"]}
     after = {s.pid: s for s in generations[last]["samples"]}
     both = sorted(set(before) & set(after))
     if not both:
-        return {"fd_growth": 0, "thread_growth": 0, "rss_growth_mb": 0.0, "rss_growth_pct": 0.0}
+        return dict(NO_GROWTH)
     rss = [(after[p].rss_mb - before[p].rss_mb, before[p].rss_mb) for p in both]
     worst_mb, base = max(rss)
     return {

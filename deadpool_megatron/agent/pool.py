@@ -66,9 +66,15 @@ class SparePool:
         self.replenisher.lost(child.local_rank)
 
     def node_unfit(self, reason: str) -> None:
-        if self.replenisher.enabled and self.replenisher.stopped is None:
-            log.warning("node %d no longer replenishes its spares: %s", self.node, reason)
-        self.replenisher.stop(reason)
+        self._announcing_stop(lambda: self.replenisher.stop(reason))
+
+    def _announcing_stop(self, change: Callable[[], None]) -> None:
+        """Apply `change` to the replenisher; say so once if it stops replenishing."""
+        was = self.replenisher.stopped
+        change()
+        if self.replenisher.enabled and was is None and self.replenisher.stopped is not None:
+            log.warning("node %d no longer replenishes its spares: %s", self.node,
+                        self.replenisher.stopped)  # fmt: skip
 
     def watch(self, iteration: int) -> None:
         """Fire due spare kills; report spares that died idle (they leave the pool)."""
@@ -92,11 +98,7 @@ class SparePool:
             self.kv.delete(keys.spare(self.job, spare_id(child.index)))
             self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
                              how=describe_exit(rc), ready=ready)  # fmt: skip
-            was_stopped = self.replenisher.stopped
-            self.replenisher.spare_died(ready)
-            if self.replenisher.stopped is not None and was_stopped is None:
-                log.warning("node %d no longer replenishes its spares: %s", self.node,
-                            self.replenisher.stopped)  # fmt: skip
+            self._announcing_stop(lambda ready=ready: self.replenisher.spare_died(ready))
             self.replenisher.lost(child.local_rank)
             self._changed(f"spare {child.index} lost")
 
