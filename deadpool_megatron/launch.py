@@ -18,6 +18,7 @@ import sys
 
 from .agent.agent import RESTART, Agent
 from .agent.settings import LaunchSettings, preflight
+from .control.signed import ENV_JOB_SECRET, job_secret, new_secret
 from .control.store import StoreUnreachable
 from .errors import ConfigError
 from .logging_setup import setup_logging
@@ -106,6 +107,13 @@ def validate_launch_args(a: argparse.Namespace) -> None:
         raise ConfigError(f"--max-restarts={a.max_restarts} must be 0 or more")
     if not os.path.isfile(a.script):
         raise ConfigError(f"script {a.script!r} does not exist")
+    if job_secret() is None and nodes > 1:
+        raise ConfigError(
+            f"{nodes} nodes need {ENV_JOB_SECRET} set, to the same value on every node (it "
+            "signs what the job writes to its store; the Slurm script draws one). By hand: "
+            "export DEADPOOL_JOB_SECRET=$(python -c 'import secrets; "
+            "print(secrets.token_hex(32))') before starting each node's agent"
+        )
 
 
 def validate_nodes(a: argparse.Namespace, settings: LaunchSettings) -> None:
@@ -130,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
         return ConfigError.exit_code
+    if ENV_JOB_SECRET not in os.environ:  # one node: this launch draws the job's secret
+        os.environ[ENV_JOB_SECRET] = new_secret()
     settings = LaunchSettings()
     if not args.no_preflight:
         world_size = args.nnodes * args.nproc_per_node

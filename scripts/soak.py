@@ -6,9 +6,10 @@ phase, hangs, transient errors, idle spares killed, a spare killed while it reco
 replicas corrupted in flight, spaced so that no recovery loses two adjacent ring ranks at
 once. The job runs with spares and replenishment on (the pool refills as processes are lost);
 a failure-free twin of the same flags runs first. While the soak job runs, each recovery's
-time is read from the event log and every live process of the job is sampled from /proc (open
-file descriptors, threads, RSS) once the generation has resumed. Growth is measured per
-process, between the first generation it was sampled in after the first recovery and the last.
+time is read from the event log and every live process that holds a rank is sampled from /proc
+(open file descriptors, threads, RSS) while each generation trains; a generation's last sample
+before the next fault counts. Growth is measured per process, between the first generation
+after the first recovery and the last.
 
     python scripts/soak.py                       # 8 workers, 2 spares, 20 failures
     python scripts/soak.py --failures 6 --iters-per-failure 4   # the short form (the suite)
@@ -150,66 +151,90 @@ def sample(pid: int) -> Sample | None:
     return Sample(pid, fds, threads, rss_mb)
 
 
-WORKER_PID = re.compile(r"(?:started worker rank \d+|spare \d+) \(pid (\d+)\)(?: takes over|$)")
+WORKER_PID = re.compile(r"started worker rank \d+ \(pid (\d+)\)|spare \d+ \(pid (\d+)\) takes over")
 
 
 def worker_pids(log: Path) -> set[int]:
     """Processes that hold a rank, as the launcher's log says: started as a worker, or a spare
     that took one over (an idle spare's memory is not a training process's)."""
-    return {int(m[1]) for line in log.read_text().splitlines() if (m := WORKER_PID.search(line))}
+    return {
+        int(m[1] or m[2]) for line in log.read_text().splitlines() if (m := WORKER_PID.search(line))
+    }
 
 
-def watch(proc: subprocess.Popen, events_path: Path, log: Path, settle_s: float = 1.0
+def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: float = 0.5
           ) -> dict[int, dict]:  # fmt: skip
-    """Per generation that resumed: its recovery record and a sample of every live process
-    that holds a rank."""
+    """Per generation that resumed: its recovery record and its last steady sample of every
+    live process that holds a rank, taken while it trained and before the next fault was
+    injected (so a recovery's teardown and rebuild, or its collection of the generation
+    before, is never what is measured)."""
     generations: dict[int, dict] = {}
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while proc.poll() is None:
         if time.monotonic() > deadline:
             proc.kill()
             raise SystemExit(f"the soak job did not finish within {JOB_TIMEOUT_S} s")
-        time.sleep(0.5)
+        time.sleep(interval_s)
         if not events_path.exists():
             continue
-        for e in read_events(str(events_path)):
-            g = e.get("generation")
-            if e["event"] != "recovery_done" or g in generations:
-                continue
-            time.sleep(settle_s)  # the generation's first iterations: steady state
-            workers = worker_pids(log) & set(descendants(proc.pid))
-            samples = [s for s in map(sample, sorted(workers)) if s is not None]
-            generations[g] = {"recovery": e, "samples": samples}
-            print(f"generation {g:3d}: recovered in {e['total_s']:6.2f} s; "
-                  f"{len(samples)} processes: fds {sum(s.fds for s in samples)}, threads "
-                  f"{sum(s.threads for s in samples)}, RSS {sum(s.rss_mb for s in samples):.0f} MB",
-                  flush=True)  # fmt: skip
+        events = read_events(str(events_path))
+        for e in events:
+            if e["event"] == "recovery_done" and e["generation"] not in generations:
+                generations[e["generation"]] = {"recovery": e, "samples": []}
+                _print_generation(generations, e["generation"] - 1)
+        if not generations:
+            continue
+        g = max(generations)
+        disturbed = any(e["event"] in ("fault_injected", "failure_detected")
+                        and e.get("generation") == g for e in events)  # fmt: skip
+        if disturbed or "training finished" in log.read_text(errors="replace"):
+            continue
+        workers = worker_pids(log) & set(descendants(proc.pid))
+        samples = [s for s in map(sample, sorted(workers)) if s is not None]
+        if samples:
+            generations[g]["samples"] = samples
+    if generations:
+        _print_generation(generations, max(generations))
     return generations
+
+
+def _print_generation(generations: dict[int, dict], g: int) -> None:
+    if g not in generations:
+        return
+    samples = generations[g]["samples"]
+    print(f"generation {g:3d}: recovered in {generations[g]['recovery']['total_s']:6.2f} s; "
+          f"{len(samples)} processes: fds {sum(s.fds for s in samples)}, threads "
+          f"{sum(s.threads for s in samples)}, RSS {sum(s.rss_mb for s in samples):.0f} MB "
+          f"(pid fds/threads/MB: {' '.join(f'{s.pid} {s.fds}/{s.threads}/{s.rss_mb:.0f}' for s in samples)})",
+          flush=True)  # fmt: skip
 
 
 NO_GROWTH = {"fd_growth": 0, "thread_growth": 0, "rss_growth_mb": 0.0, "rss_growth_pct": 0.0}
 
 
 def growth(generations: dict[int, dict]) -> dict[str, float]:
-    """Per process alive from the first sampled generation to the last: the largest growth."""
-    if len(generations) < 2:
+    """The largest growth of any process holding a rank, between its second sampled
+    generation (it has been through one recovery while holding its rank) and its last.
+
+    The step into the second generation is left out on purpose: a process keeps the
+    generation before its current one (README, "Soak") and a process's first generation has
+    none before it; what must not happen is growth after that."""
+    per_pid: dict[int, list] = {}
+    for g in sorted(generations):
+        for s in generations[g]["samples"]:
+            per_pid.setdefault(s.pid, []).append(s)
+    followed = {pid: (ss[1], ss[-1]) for pid, ss in per_pid.items() if len(ss) >= 3}
+    if not followed:
         return dict(NO_GROWTH)
-    first, last = min(generations), max(generations)
-    before = {s.pid: s for s in generations[first]["samples"]}
-    after = {s.pid: s for s in generations[last]["samples"]}
-    both = sorted(set(before) & set(after))
-    if not both:
-        return dict(NO_GROWTH)
-    rss = [(after[p].rss_mb - before[p].rss_mb, before[p].rss_mb) for p in both]
+    rss = [(b.rss_mb - a.rss_mb, a.rss_mb) for a, b in followed.values()]
     worst_mb, base = max(rss)
     return {
-        "fd_growth": max(after[p].fds - before[p].fds for p in both),
-        "thread_growth": max(after[p].threads - before[p].threads for p in both),
+        "fd_growth": max(b.fds - a.fds for a, b in followed.values()),
+        "thread_growth": max(b.threads - a.threads for a, b in followed.values()),
         "rss_growth_mb": round(worst_mb, 1),
         "rss_growth_pct": round(100 * worst_mb / base, 2),
-        "processes_followed": len(both),
-        "from_generation": first,
-        "to_generation": last,
+        "processes_followed": len(followed),
+        "generations": len([g for g in generations if generations[g]["samples"]]),
     }
 
 

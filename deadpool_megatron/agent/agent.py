@@ -36,6 +36,7 @@ from ..control.messages import (
     spare_id,
 )
 from ..control.monitor import Detection, Monitor
+from ..control.signed import job_secret, signed
 from ..control.store import StoreTimeout, StoreUnreachable
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
@@ -122,7 +123,8 @@ class Agent:
                 wait_for_workers=False,
             )
             self.port = self.store.port
-            self.kv = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
+            hosted = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
+            self.kv = signed(hosted, job_secret())
         if not self.job_id:
             self.job_id = self._agree_job_id()
         self.fault_scope = self.job_id
@@ -195,7 +197,7 @@ class Agent:
         if self.store is None:
             return self.ctx
         kv = TcpKVStore(self.args.master_addr, self.port, timeout_s=30.0)
-        return JobContext(kv, self.job_id)
+        return JobContext(signed(kv, job_secret()), self.job_id)
 
     def _log_layout(self) -> None:
         """Once per job: where the store lives, and what one node's loss would cost."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from ..control.signed import ENV_JOB_SECRET, new_secret
 from ..metrics import read_metrics
 
 
@@ -97,6 +98,7 @@ def start_local_nodes(
     workdir/nodeN.log; the job's metrics go to workdir/metrics.jsonl."""
     port = free_port()
     metrics = workdir / "metrics.jsonl"
+    env = {**os.environ, ENV_JOB_SECRET: os.environ.get(ENV_JOB_SECRET) or new_secret()}
     procs, logs = [], []
     for node in range(nnodes + spare_nodes):
         log = workdir / f"node{node}.log"
@@ -109,7 +111,7 @@ def start_local_nodes(
             "--metrics-jsonl", str(metrics),
         ]  # fmt: skip
         with open(log, "w") as fh:
-            procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
-                                          start_new_session=True))  # fmt: skip
+            procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh,
+                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
         logs.append(log)
     return LocalNodes(procs, logs, metrics)

@@ -125,6 +125,9 @@ class Monitor:
         self._reports: dict[int, Evidence] = {}
         self._consumed: dict[int, float] = {}  # injection times already attributed, per rank
         self.hearsay_grace_s = heartbeat_interval_s
+        # Hearsay alone for this long (twice what a hang takes to show): nothing more will come.
+        self.stall_after_s = 2 * policy.heartbeat_timeout_s
+        self._inconclusive_since: float | None = None  # evidence first seen, unresolved
 
     def poll(self) -> Detection | None:
         """One look at everything; a Detection when the evidence is conclusive."""
@@ -148,9 +151,13 @@ class Monitor:
         if self.watch_heartbeats:
             evidence.extend(self._hung(now))
         if not evidence:
+            self._inconclusive_since = None
             return None
+        if self._inconclusive_since is None:
+            self._inconclusive_since = now
+        stalled = now - self._inconclusive_since >= self.stall_after_s
         try:
-            decision = classify(evidence, self.history, self.policy, ranks=self.ranks)
+            decision = classify(evidence, self.history, self.policy, self.ranks, stalled)
         except InconclusiveEvidence:
             return None  # only survivors' hearsay so far: the exit or a stale beat follows
         won = decision.evidence
@@ -273,6 +280,7 @@ class Monitor:
         """Watch `generation` from now on (after a recovery): its heartbeats and reports.
         The failure history stays, so a rank that keeps failing transiently is escalated."""
         self._generation = generation
+        self._inconclusive_since = None
         self._reports.clear()
         self._last_beat.clear()
         for rank in self.ranks:

@@ -169,12 +169,16 @@ def classify(
     history: FailureHistory,
     policy: ClassifyPolicy | None = None,
     ranks: Sequence[int] | None = None,
+    stalled: bool = False,
 ) -> Classification:
     """Decide transient or permanent for the rank the evidence points at (rules: module doc).
 
     `ranks`, the generation's members, only helps `suspect_rank` attribute anonymous peer-loss
     reports. Raises ValueError on no evidence, `InconclusiveEvidence` when only anonymous
-    peer-loss reports exist.
+    peer-loss reports exist, unless `stalled` (the caller has waited past the heartbeat
+    timeout and nothing more came): then no process is lost and the job cannot go on by
+    itself, so the failure is a transient one of the whole generation, attributed to the
+    earliest reporter (everyone resets from its own snapshot).
     """
     if not evidence:
         raise ValueError("classify needs at least one piece of evidence")
@@ -197,10 +201,19 @@ def classify(
         rank = won.rank
         reason = describe(won)
     else:
-        rank = suspect_rank(evidence, ranks)
-        won = _earliest(e for e in evidence if getattr(e, "peer", None) == rank)
-        won = won or _earliest(evidence)
-        reason = f"{describe(won)} (attributed to rank {rank}, whose heartbeat is fresh)"
+        try:
+            rank = suspect_rank(evidence, ranks)
+        except InconclusiveEvidence:
+            if not stalled:
+                raise
+            won = _earliest(evidence)
+            rank = won.rank
+            reason = (f"{describe(won)} (no rank is lost and none is named: a transient failure "
+                      f"of the whole generation, attributed to the earliest reporter)")  # fmt: skip
+        else:
+            won = _earliest(e for e in evidence if getattr(e, "peer", None) == rank)
+            won = won or _earliest(evidence)
+            reason = f"{describe(won)} (attributed to rank {rank}, whose heartbeat is fresh)"
 
     times = history.count(rank, won.at, policy.window_s) + 1
     if times > policy.max_transient:

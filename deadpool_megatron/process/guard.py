@@ -5,6 +5,7 @@ training loop (stop at a phase boundary when a recovery was ordered; inject a fa
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -45,6 +46,8 @@ class Guard:
             client.claim_fault, slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
         )  # fmt: skip
         self.health: HealthChecker | None = None  # started after warm-up, with the heartbeats
+        self._report_lock = threading.Lock()
+        self._reported_in: int | None = None  # the generation this process last reported in
 
     # -- the training loop's hooks --------------------------------------------------------------
     def check_stop(self) -> None:
@@ -80,9 +83,20 @@ class Guard:
 
     # -- reports -------------------------------------------------------------------------------
     def report(self, err: BaseException) -> None:
-        """A failure this process caught (training or replication thread), for the agent."""
+        """A failure this process caught (training or replication thread), for the agent.
+
+        The first report of a generation stands: what follows in the same generation is its
+        consequence (the replication thread losing the connections the training thread's
+        failure just shut down) and must not overwrite the cause the agent classifies by."""
         if self.ctx.stopping:
             return  # a recovery is under way: this error is its doing, not new evidence
+        with self._report_lock:
+            generation = self.ctx.generation
+            if self._reported_in == generation:
+                log.info("not reported (generation %d already has this process's report): "
+                         "%s: %s", generation, type(err).__name__, err)  # fmt: skip
+                return
+            self._reported_in = generation
         kind = INJECTED_TRANSIENT if isinstance(err, InjectedFault) else COLLECTIVE_ERROR
         self.client.report_failure(self.rank, kind, f"{type(err).__name__}: {err}")
 

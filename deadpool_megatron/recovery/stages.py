@@ -31,6 +31,7 @@ protected its own state.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import time
@@ -475,6 +476,20 @@ class ProcessRecovery:
             ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()),
         )  # fmt: skip
 
+    def _collect_previous_generation(self) -> None:
+        """Free the generations this process left behind, now, not at some later collection.
+
+        The replaced model is a reference cycle (megatron-core's DDP registers gradient hooks
+        whose closures hold the DDP, which holds its process groups), so dropping it frees
+        nothing until the garbage collector's oldest generation runs, which may be many
+        recoveries later; until then each old gloo group keeps its listener, connections and
+        three threads. Collected once per recovery, after the first resumed iteration (the
+        recovery's time is already recorded)."""
+        t = time.perf_counter()
+        found = gc.collect()
+        log.info("generation %d: freed the previous generation (%d objects) in %.3f s",
+                 self.ctx.generation, found, time.perf_counter() - t)  # fmt: skip
+
     def failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
         log.warning("recovery into generation %d failed: %s: %s", generation,
                     type(err).__name__, err)  # fmt: skip
@@ -495,6 +510,7 @@ class ProcessRecovery:
             self.ctx.put(keys.recovered(self.ctx.job, self.ctx.generation, self.env.rank), record)
             self._account = None
             self.bytes_moved = 0
+            self._collect_previous_generation()
         p = trainer.pipeline
         if self.held.snapshots and p is not None:
             protected = p.committed_iteration() >= 0 and all(

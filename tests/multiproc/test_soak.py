@@ -1,7 +1,8 @@
 """The soak's short form: one job, a seeded mix of six faults of every kind (kill, hang,
 transient error, idle spare killed, a spare killed while it recovers, a corrupted replica), with
 replenishment on; it must recover from all of them, bitwise equal to its failure-free twin,
-without accusing a healthy process. The full soak (20 faults, 8 workers) is scripts/soak.py."""
+without accusing a healthy process, and no process may grow (fds, threads, RSS) from one
+generation to the next. The full soak (20 faults, 8 workers) is scripts/soak.py."""
 
 from __future__ import annotations
 
@@ -29,4 +30,9 @@ def test_short_soak_recovers_every_fault_bitwise(tmp_path):
     assert result["false_accusations"] == 0, detail
     assert result["failures"] >= 6 and result["recoveries"] >= 4, detail
     assert result["spares_started"] >= 1, detail  # the pool was replenished
+    # Nothing grows with generations: a leaked generation of process groups is +64 fds and
+    # +48 threads here; the margins cover threads that come and go (helper pools, checks).
+    assert result["processes_followed"] >= 2, detail
+    assert result["fd_growth"] <= 16 and result["thread_growth"] <= 8, detail
+    assert result["rss_growth_pct"] <= 5.0, detail
     assert done.returncode == 0, detail

@@ -203,6 +203,18 @@ def test_anonymous_peer_loss_is_attributed_to_the_one_silent_member():
         classify(reports, FailureHistory(), ranks=range(5))
 
 
+def test_hearsay_from_every_member_is_a_transient_of_the_earliest_once_stalled():
+    # Every member lost "a peer" and none is lost (one's own report was a consequence of its
+    # failure): after the caller's wait, the whole generation resets from its snapshots.
+    reports = [CollectiveError(r, CLOSED, 10.0 + 0.1 * (3 - r)) for r in (3, 1, 0, 2)]
+    with pytest.raises(InconclusiveEvidence):
+        classify(reports, FailureHistory(), ranks=range(4))
+    c = classify(reports, FailureHistory(), ranks=range(4), stalled=True)
+    assert (c.rank, c.kind) == (3, Decision.TRANSIENT) and "whole generation" in c.reason
+    # a stall does not override attributable evidence
+    assert classify(reports[:3], FailureHistory(), ranks=range(4), stalled=True).rank == 2
+
+
 def test_suspect_rank_votes_for_the_peer_most_survivors_name():
     reports = [
         CollectiveError(0, CLOSED, 10.0, peer=5),

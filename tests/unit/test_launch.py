@@ -10,11 +10,13 @@ import pytest
 from deadpool_megatron.failure.evidence import describe_exit
 from jobs import ROOT, launch_cmd
 
+SECRET = {"DEADPOOL_JOB_SECRET": "0123456789abcdef0123456789abcdef"}
 
-def _launch(args: list[str], nproc: int = 8, spares: int = 0, launcher=None):
+
+def _launch(args: list[str], nproc: int = 8, spares: int = 0, launcher=None, env=None):
     return subprocess.run(
         launch_cmd(nproc, args, spares, launcher), cwd=ROOT, capture_output=True, text=True,
-        timeout=120,
+        timeout=120, env={**os.environ, **(env or {})},
     )  # fmt: skip
 
 
@@ -68,10 +70,25 @@ def test_bad_multi_node_jobs_exit_2_before_any_process_starts(flags, args, messa
     nodes = ["--nnodes", "3", "--node-rank", "0", "--master-port", "1", *flags]
     shape = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
              "--global-batch-size", "12"]  # fmt: skip
-    done = _launch(["--config", "configs/demo.yaml", *shape, *args], nproc=2, launcher=nodes)
+    done = _launch(["--config", "configs/demo.yaml", *shape, *args], nproc=2, launcher=nodes,
+                   env=SECRET)  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert (done.stdout + done.stderr).count(message) == 1
     assert "started worker" not in done.stdout + done.stderr
+
+
+def test_several_nodes_need_the_jobs_secret_and_a_short_one_is_refused():
+    nodes = ["--nnodes", "2", "--node-rank", "0", "--master-port", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "DEADPOOL_JOB_SECRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "1", *nodes,
+         str(ROOT / "pretrain_gpt.py")], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "2 nodes need DEADPOOL_JOB_SECRET set, to the same value on every node" in done.stderr
+    done = _launch(["--config", "configs/demo.yaml"], nproc=1, env={"DEADPOOL_JOB_SECRET": "abc"})
+    assert done.returncode == 2 and "DEADPOOL_JOB_SECRET has 3 characters" in done.stderr
 
 
 def test_missing_script_is_named():

@@ -199,6 +199,23 @@ def test_hearsay_that_stays_alone_blames_the_silent_rank_after_the_grace(kv):
     assert d.classification.rank == 2 and d.classification.kind.value == "transient"
 
 
+def test_hearsay_from_every_member_is_acted_on_after_twice_the_heartbeat_timeout(kv):
+    # Every member reports a lost peer, every heartbeat stays fresh: nothing more will come
+    # (the stall a process's own report overwritten by its consequence used to cause).
+    clock, codes = Clock(), {}
+    monitor = make(kv, codes, clock)
+    report_peer_loss(kv, (0, 1, 2))
+    for n in range(8):  # first seen at 0.4 s, still waiting 3.5 s later
+        for rank in (0, 1, 2):
+            beat(kv, rank, n)
+        assert advance(monitor, clock, 0.5 if n else 0.4) is None
+    for rank in (0, 1, 2):
+        beat(kv, rank, 9)
+    d = advance(monitor, clock, 0.6)  # 4.1 s: twice the 2 s heartbeat timeout
+    assert d.classification.kind.value == "transient" and d.classification.rank == 0
+    assert "whole generation" in d.classification.reason
+
+
 def test_a_process_stopped_before_its_first_beat_is_hung(kv):
     # Heartbeats start after the first iteration; a SIGSTOP during start-up is still seen.
     clock, codes, procs = Clock(), {}, Processes()

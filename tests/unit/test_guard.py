@@ -1,0 +1,54 @@
+"""A worker's own failure reports on a real (in-process) TCPStore: the first report of a
+generation is the one the agent classifies by; what the same process hits afterwards (its
+replication thread losing the connections the failure shut down) does not overwrite it."""
+
+import threading
+
+from deadpool_megatron.config import JobConfig
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.client import ControlClient
+from deadpool_megatron.control.context import JobContext
+from deadpool_megatron.control.messages import COLLECTIVE_ERROR, INJECTED_TRANSIENT, FailureReport
+from deadpool_megatron.failure.injector import InjectedFault
+from deadpool_megatron.failure.progress import ProgressBoard
+from deadpool_megatron.process.guard import Guard
+from deadpool_megatron.runtime import ProcessEnv
+
+JOB = "guard-test"
+PEER_LOSS = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+
+def _guard(kv, rank=2):
+    ctx = JobContext(kv, JOB)
+    env = ProcessEnv.from_environ({"RANK": str(rank), "WORLD_SIZE": "4"})
+    return Guard(JobConfig(), env, ctx, ControlClient(ctx, "local"), ProgressBoard()), ctx
+
+
+def _report(kv, generation, rank=2):
+    raw = kv.get(keys.report(JOB, generation, rank))
+    return None if raw is None else FailureReport.decode(raw)
+
+
+def test_the_first_report_of_a_generation_stands(kv):
+    guard, ctx = _guard(kv)
+    guard.report(InjectedFault("injected transient fault raise@2:5:forward"))
+    guard.report(PEER_LOSS)  # the replication thread, after the training thread's abort
+    r = _report(kv, 0)
+    assert r.kind == INJECTED_TRANSIENT and "raise@2:5" in r.message
+    ctx.advance(1)  # the next generation's failure is reported again
+    guard.report(PEER_LOSS)
+    assert _report(kv, 1).kind == COLLECTIVE_ERROR
+
+
+def test_concurrent_reports_write_exactly_one(kv, caplog):
+    caplog.set_level("INFO", logger="deadpool.worker")
+    guard, _ = _guard(kv)
+    errors = [InjectedFault(f"fault {i}") for i in range(8)]
+    threads = [threading.Thread(target=guard.report, args=(e,)) for e in errors]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    r = _report(kv, 0)
+    assert r.kind == INJECTED_TRANSIENT and r.message.startswith("InjectedFault: fault ")
+    assert sum("not reported" in m for m in caplog.messages) == len(errors) - 1
