@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .endpoints import parse_endpoints
+from .endpoints import etcd_security
 from .errors import ConfigError
 from .failure.hang import HangPolicy
 from .failure.heartbeat import check_heartbeat_times
@@ -219,6 +219,16 @@ class DeadpoolConfig:
     )
     deadpool_etcd_endpoints: str | None = knob(
         None, "Comma-separated etcd v3 endpoints for --deadpool-store etcd, e.g. http://h:2379."
+    )
+    deadpool_etcd_cacert: str | None = knob(
+        None, "CA bundle that signed the etcd servers' certificates (https endpoints)."
+    )
+    deadpool_etcd_cert: str | None = knob(
+        None, "Client certificate for etcd's --client-cert-auth (with --deadpool-etcd-key)."
+    )
+    deadpool_etcd_key: str | None = knob(None, "Private key of --deadpool-etcd-cert.")
+    deadpool_etcd_user: str | None = knob(
+        None, "etcd user (etcd auth enabled); its password is read from $DEADPOOL_ETCD_PASSWORD."
     )
     deadpool_chaos_mtbf: float | None = knob(
         None,
@@ -445,7 +455,8 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
             bool(dpc.deadpool_etcd_endpoints),
             "--deadpool-store etcd needs --deadpool-etcd-endpoints http://HOST:PORT[,...]",
         )
-        parse_endpoints(dpc.deadpool_etcd_endpoints)
+        etcd_security(dpc.deadpool_etcd_cacert, dpc.deadpool_etcd_cert, dpc.deadpool_etcd_key,
+                      dpc.deadpool_etcd_user, dpc.deadpool_etcd_endpoints)  # fmt: skip
     if dpc.deadpool_on_unrecoverable is None:
         dpc.deadpool_on_unrecoverable = "checkpoint-restart" if cfg.checkpoint.save else "stop"
     _require(

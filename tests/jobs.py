@@ -51,12 +51,15 @@ def run_job(
     name: str = "run",
     launcher: list[str] | None = None,
     script: Path = ROOT / "pretrain_gpt.py",
+    env: dict[str, str] | None = None,
 ) -> JobResult:
-    """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file."""
+    """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file; `env`:
+    variables set for the launcher on top of this process's."""
     metrics = tmp_path / f"{name}.jsonl"
     proc = subprocess.Popen(
         launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares, launcher, script),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=JOB_TIMEOUT_S)

@@ -111,7 +111,7 @@ class Agent:
         outlives every worker, and the other nodes' agents connect to it."""
         p = self.settings.protection
         if p.deadpool_store == "etcd":
-            self.kv = control_store("etcd", p.deadpool_etcd_endpoints, "", 0)
+            self.kv = control_store(p, "", 0)
         else:
             import torch.distributed as dist
 

@@ -16,10 +16,11 @@ import time
 
 import torch.distributed as dist
 
+from . import keys
 from .etcd_store import EtcdKVStore
 from .store import StoreTimeout
 
-ROOT = "deadpool/c10d/"
+ROOT = keys.C10D_ROOT
 POLL_FIRST_S = 0.002  # rendezvous keys usually appear within milliseconds
 POLL_MAX_S = 0.05
 

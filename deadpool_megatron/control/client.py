@@ -36,10 +36,7 @@ def connect(env: ProcessEnv, settings: DeadpoolConfig, timeout_s: float = 30.0) 
     """This process's job context, on its own connection to the control store."""
     if env.master_port is None:
         raise RuntimeError("the control store needs MASTER_PORT: start with deadpool-launch")
-    kv = control_store(
-        settings.deadpool_store, settings.deadpool_etcd_endpoints,
-        env.master_addr, env.master_port, timeout_s,
-    )  # fmt: skip
+    kv = control_store(settings, env.master_addr, env.master_port, timeout_s)
     return JobContext(kv, env.job_id)
 
 

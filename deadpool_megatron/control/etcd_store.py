@@ -4,25 +4,49 @@ Talks to etcd's JSON gRPC gateway (``POST /v3/kv/...``, served by etcd 3.4 and l
 the standard library only: the Python etcd clients break with current protobuf (see the field
 notes). Keys and values travel base64-encoded; int64 fields come back as JSON strings, and
 fields at their default (``succeeded: false``, an empty ``value``) are omitted.
+
+Secured clusters: https endpoints checked against a CA bundle, a client certificate for
+etcd's --client-cert-auth, and etcd's own users (``/v3/auth/authenticate`` gives a token sent
+as the Authorization header; an expired token is renewed once and the request retried).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import ssl
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from ..endpoints import parse_endpoints
+from ..endpoints import EtcdSecurity, parse_endpoints
 from ..errors import DeadpoolError
 from .store import KVStore, StoreTimeout, StoreUnreachable
 
 __all__ = ["EtcdKVStore", "parse_endpoints"]
 
 RETRY_S = 0.1
+AUTHENTICATE = "/v3/auth/authenticate"
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """etcd's range end for "every key starting with prefix": the prefix with its last byte
+    incremented (trailing 0xff bytes dropped first)."""
+    trimmed = prefix.rstrip(b"\xff")
+    return trimmed[:-1] + bytes([trimmed[-1] + 1])
+
+
+def _ssl_context(security: EtcdSecurity) -> ssl.SSLContext | None:
+    """Verification against the CA bundle (the system's without one) and the client
+    certificate; None for plain http."""
+    if not security.tls:
+        return None
+    context = ssl.create_default_context(cafile=security.cacert)
+    if security.cert:
+        context.load_cert_chain(security.cert, security.key)
+    return context
 
 
 def _b64(data: bytes | str) -> str:
@@ -33,12 +57,20 @@ class EtcdKVStore(KVStore):
     """An etcd v3 cluster reached through any of `endpoints` (tried in turn)."""
 
     def __init__(
-        self, endpoints: str | Sequence[str], timeout_s: float = 5.0, poll_s: float = 0.05
+        self,
+        endpoints: str | Sequence[str],
+        timeout_s: float = 5.0,
+        poll_s: float = 0.05,
+        security: EtcdSecurity | None = None,
     ):
         self._urls = parse_endpoints(endpoints)
         self._timeout_s = timeout_s
         self._poll_s = poll_s
         self._order_lock = threading.Lock()
+        self._security = security or EtcdSecurity()
+        self._ssl = _ssl_context(self._security)
+        self._token: str | None = None
+        self._token_lock = threading.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -60,15 +92,16 @@ class EtcdKVStore(KVStore):
                 raise StoreUnreachable(self.endpoint, "; ".join(failures))
             time.sleep(RETRY_S)
 
-    def _try(self, url: str, path: str, data: bytes, failures: list[str]) -> dict | None:
-        request = urllib.request.Request(
-            url + path, data=data, headers={"Content-Type": "application/json"}
-        )
+    def _try(
+        self, url: str, path: str, data: bytes, failures: list[str], renewed: bool = False
+    ) -> dict | None:
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout_s) as response:
-                answer = json.loads(response.read() or b"{}")
+            answer = self._request(url, path, data, self._auth_header(url))
         except urllib.error.HTTPError as err:
             detail = _error_message(err)
+            if err.code == 401 and self._security.user and not renewed:
+                self._renew_token(url)  # expired (etcd's --auth-token-ttl): once more, renewed
+                return self._try(url, path, data, failures, renewed=True)
             if err.code < 500:  # our request is wrong; another member would say the same
                 raise DeadpoolError(f"etcd at {url} rejected {path}: {detail}") from err
             failures.append(f"{url}: HTTP {err.code} {detail}")
@@ -82,6 +115,36 @@ class EtcdKVStore(KVStore):
                 self._urls.remove(url)
                 self._urls.insert(0, url)
         return answer
+
+    def _request(self, url: str, path: str, data: bytes, headers: dict[str, str]) -> dict:
+        request = urllib.request.Request(
+            url + path, data=data, headers={"Content-Type": "application/json", **headers}
+        )
+        opened = urllib.request.urlopen(request, timeout=self._timeout_s, context=self._ssl)
+        with opened as response:
+            return json.loads(response.read() or b"{}")
+
+    def _auth_header(self, url: str) -> dict[str, str]:
+        if not self._security.user:
+            return {}
+        with self._token_lock:
+            token = self._token
+        if token is None:
+            token = self._renew_token(url)
+        return {"Authorization": token}
+
+    def _renew_token(self, url: str) -> str:
+        """A fresh token for the configured user (raises DeadpoolError when etcd refuses it)."""
+        body = json.dumps({"name": self._security.user, "password": self._security.password})
+        try:
+            answer = self._request(url, AUTHENTICATE, body.encode(), {})
+        except urllib.error.HTTPError as err:
+            raise DeadpoolError(
+                f"etcd at {url} refused user {self._security.user!r}: {_error_message(err)}"
+            ) from err
+        with self._token_lock:
+            self._token = answer["token"]
+            return self._token
 
     def get(self, key: str) -> bytes | None:
         return _first_value(self._post("/v3/kv/range", {"key": _b64(key)}))
@@ -124,6 +187,13 @@ class EtcdKVStore(KVStore):
 
     def delete(self, key: str) -> bool:
         return int(self._post("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0)) > 0
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix:
+            raise ValueError("an empty prefix would delete the whole keyspace")
+        end = _prefix_end(prefix.encode())
+        body = {"key": _b64(prefix), "range_end": _b64(end)}
+        return int(self._post("/v3/kv/deleterange", body).get("deleted", 0))
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         # Polling is enough for the rare waits of the control plane; a watch would need a stream.

@@ -23,6 +23,9 @@ def job_prefix(job: str) -> str:
     return _job(job) + "/"
 
 
+C10D_ROOT = "deadpool/c10d/"  # torch's rendezvous keys, when they live in etcd
+
+
 def process_group_prefix(job: str, generation: int) -> str:
     """Where `generation`'s process groups meet in the torch store (not a control-plane key):
     a recovery (new generation) or a restarted job (new job id) never meets a dead process's
@@ -33,6 +36,12 @@ def process_group_prefix(job: str, generation: int) -> str:
 def membership(job: str) -> str:
     """The current `Membership` (JSON); changed only by compare-and-swap."""
     return f"{_job(job)}/membership"
+
+
+def generation_prefix(job: str, generation: int) -> str:
+    """Everything the job's processes and agents write for one generation (heartbeats,
+    reports, the order, holdings, the plan, ...): retired together once it is over."""
+    return f"{_job(job)}/gen/{generation}/"
 
 
 def heartbeat(job: str, generation: int, rank: int) -> str:

@@ -112,6 +112,9 @@ class SignedKVStore(KVStore):
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)
 
+    def delete_prefix(self, prefix: str) -> int | None:
+        return self.inner.delete_prefix(prefix)
+
     def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         self.inner.wait(keys, timeout_s)
 

@@ -64,6 +64,11 @@ class KVStore(abc.ABC):
     def delete(self, key: str) -> bool:
         """Remove `key`; returns whether it existed."""
 
+    def delete_prefix(self, prefix: str) -> int | None:
+        """Remove every key that starts with `prefix`; the number removed, or None where the
+        store cannot list keys (the TCPStore: it lives only as long as the job anyway)."""
+        return None
+
     @abc.abstractmethod
     def wait(self, keys: Sequence[str], timeout_s: float) -> None:
         """Block until every key exists; raises StoreTimeout naming the missing ones."""

@@ -49,9 +49,9 @@ def open_store(env: ProcessEnv, cfg: JobConfig) -> dist.Store:
     dpc = cfg.deadpool
     if dpc.deadpool_store == "etcd" and env.under_launcher:
         from ..control.c10d import EtcdC10dStore
-        from ..control.etcd_store import EtcdKVStore
+        from ..control.connect import etcd_client
 
-        return EtcdC10dStore(EtcdKVStore(dpc.deadpool_etcd_endpoints or ""))
+        return EtcdC10dStore(etcd_client(dpc))
     if env.master_port is None:
         if env.world_size != 1:
             raise RuntimeError(

@@ -93,6 +93,7 @@ class Coordinator:
         self.membership = MembershipStore(ctx.kv, ctx.job)
         self.pending: Recovery | None = None  # published, not yet finished
         self.done: list[dict] = []
+        self._retired_below = 0  # generations below this had their keys deleted
 
     def order(self, permanent: set[int], reason: str, failed_at: float) -> Recovery:
         """Tell every process to stop and recover into the next generation."""
@@ -224,4 +225,22 @@ class Coordinator:
             rec.replayed, summary["bytes_moved"] / 2**20,
         )  # fmt: skip
         self.done.append(summary)
+        self._retire_before(rec.generation)
         return summary
+
+    def _retire_before(self, generation: int) -> None:
+        """Delete what the generations before `generation` wrote (its heartbeats, reports,
+        orders, holdings, plans and, in etcd, its process groups' rendezvous): every process
+        works in `generation` now and nothing reads them again, and a job that recovers for
+        months must not leave its store growing. Stores that cannot list keys (the TCPStore,
+        which ends with the job) keep them."""
+        removed = 0
+        for old in range(self._retired_below, generation):
+            for prefix in (keys.generation_prefix(self.job, old),
+                           keys.C10D_ROOT + keys.process_group_prefix(self.job, old) + "/"):  # fmt: skip
+                n = self.ctx.kv.delete_prefix(prefix)
+                if n is None:
+                    return
+                removed += n
+        self._retired_below = generation
+        log.info("retired generation(s) before %d: %d key(s) deleted", generation, removed)

@@ -204,3 +204,18 @@ def test_etcd_fails_over_to_an_endpoint_that_answers(etcd_url, job):
     store.set(keys.job_finished(job), b"1")
     assert store.get(keys.job_finished(job)) == b"1"
     assert store.endpoint.startswith(etcd_url)  # the live one is now tried first
+
+
+def test_delete_prefix_removes_exactly_the_prefix_in_etcd_and_is_unsupported_on_tcp(connect):
+    store = connect()
+    for key in ("p/gen/1/a", "p/gen/1/b/c", "p/gen/10/a", "p/gen/2/a", "p/gen/1"):
+        store.set(key, b"v")
+    removed = store.delete_prefix("p/gen/1/")
+    if isinstance(store, TcpKVStore):
+        assert removed is None and store.get("p/gen/1/a") == b"v"
+        return
+    assert removed == 2
+    assert [store.get(k) for k in ("p/gen/1/a", "p/gen/1/b/c")] == [None, None]
+    assert [store.get(k) for k in ("p/gen/10/a", "p/gen/2/a", "p/gen/1")] == [b"v"] * 3
+    with pytest.raises(ValueError):
+        store.delete_prefix("")

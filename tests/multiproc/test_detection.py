@@ -11,8 +11,10 @@ import signal
 
 import pytest
 
+from deadpool_megatron.control import keys
 from deadpool_megatron.control.etcd_store import EtcdKVStore
 from deadpool_megatron.control.membership import MembershipStore
+from deadpool_megatron.control.signed import ENV_JOB_SECRET, SignedKVStore, new_secret
 from deadpool_megatron.events import read_events
 from jobs import ROOT, run_job, run_job_and_kill
 
@@ -113,15 +115,21 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     args = [*SHAPE, "--train-iters", "40", "--deadpool-inject", "hang@1:5",
             "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd_url,
             "--deadpool-event-log", str(log)]  # fmt: skip
-    result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job])
+    secret = new_secret()
+    result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job],
+                     env={ENV_JOB_SECRET: secret})  # fmt: skip
     assert result.returncode == 0, result.output[-3000:]
     assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
     detected = _only(events, "failure_detected")
     assert (detected["rank"], detected["evidence"]) == (1, "HeartbeatStale")
     assert detected["detect_latency_s"] <= 3.0
-    # The hot-swap went through etcd too: generation 1 has the spare holding rank 1.
-    membership = MembershipStore(EtcdKVStore(etcd_url), job).current()
+    # The hot-swap went through etcd too: generation 1 has the spare holding rank 1; what the
+    # job wrote there is signed with its secret.
+    assert not EtcdKVStore(etcd_url).get(keys.membership(job)).startswith(b"{")
+    membership = MembershipStore(
+        SignedKVStore(EtcdKVStore(etcd_url), secret.encode()), job
+    ).current()
     assert membership.generation == 1
     assert [m.rank for m in membership.ranks] == [0, 1, 2, 3]
     assert [m.coords for m in membership.ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]

@@ -156,3 +156,32 @@ def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteratio
     phases = {e["phase"]: e["duration_s"] for e in events if e["event"] == "recovery_phase"}
     assert phases["rebuild_communicators"] == pytest.approx(0.4)  # the slowest rank's
     assert [e["generation"] for e in events if e["event"] == "recovery_done"] == [1]
+
+
+def test_a_finished_recovery_retires_what_the_generations_before_it_wrote_in_etcd(etcd_url):
+    # A months-long job must not leave its store growing: once generation 1 runs, generation
+    # 0's keys (and its process groups' rendezvous) are deleted; generation 1's stay.
+    from deadpool_megatron.control.etcd_store import EtcdKVStore
+
+    store = EtcdKVStore(etcd_url)
+    job = f"retire-{id(store) % 100000}"
+    members = tuple(Member(r, f"host:{100 + r}", (0, r // 2, r % 2)) for r in range(4))
+    MembershipStore(store, job).create(Membership(0, members, ("spare-0",)))
+    ctx = JobContext(store, job)
+    coord = Coordinator(ctx, TOPO, 1, EventLog(None, generation=lambda: ctx.generation))
+    old_beat, rendezvous = keys.heartbeat(job, 0, 2), f"{keys.C10D_ROOT}{job}/gen0/0"
+    tenth = f"{keys.C10D_ROOT}{job}/gen10/0"  # shares "gen1" as a string prefix: kept
+    for key in (old_beat, rendezvous, tenth):
+        store.set(key, b"x")
+    rec = coord.order({3}, "rank 3 exited", failed_at=0.0)
+    for r in (0, 1, 2):
+        h = RankHoldings(frozenset((4, 5)), {r ^ 1: frozenset((4, 5))})
+        store.set(keys.holdings(job, 1, r), HoldingsReport(h, 5).encode())
+    coord.decide(rec, coord.gather(rec, lambda r: None, None), ["spare-0"])
+    for r in range(4):
+        store.set(keys.recovered(job, 1, r), Recovered({}, 1.0, 5, 0).encode())
+    assert coord.poll_done() is not None
+    assert store.get(old_beat) is None and store.get(rendezvous) is None
+    assert store.get(tenth) == b"x"
+    assert store.get(keys.recovery_plan(job, 1)) is not None  # the running generation's
+    assert MembershipStore(store, job).current().generation == 1
