@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from deadpool_megatron.events import FAILURE_DETECTED, FENCED, EventLog, read_events
 from deadpool_megatron.report import (
     format_recoveries,
@@ -68,3 +70,43 @@ def test_recovery_summary_lists_phases_in_order():
     text = format_recoveries([summary])
     assert text.startswith("recovery into generation 1 (rank 3 -> spare-0): 0.60 s")
     assert "1 iteration(s) re-executed, 1.00 MiB moved; detect 0.050 s" in text
+
+
+def test_lanes_put_each_event_on_its_rank_or_spare_and_recoveries_are_windows():
+    from deadpool_megatron.report import lanes, recovery_windows
+
+    events = [
+        {"time": 10.0, "event": "fault_injected", "generation": 0, "rank": 3},
+        {"time": 10.5, "event": "fault_injected", "generation": 0, "spare": 1, "rank": None},
+        {"time": 10.2, "event": FAILURE_DETECTED, "generation": 0, "rank": 3},
+        {"time": 10.3, "event": "recovery_started", "generation": 1, "rank": None},
+        {"time": 10.4, "event": "spare_claimed", "generation": 1, "spare": "spare-0",
+         "replaces": 3, "rank": None},
+        {"time": 11.3, "event": "recovery_done", "generation": 1, "rank": None},
+        {"time": 12.0, "event": "spare_started", "generation": 1, "spare": 2, "rank": None},
+        {"time": 12.5, "event": "heartbeat", "generation": 1, "rank": 0},  # not marked
+    ]  # fmt: skip
+    got = lanes(events)
+    assert list(got) == ["rank 3", "spare 1", "spare 2"]
+    assert [e for _, e in got["rank 3"]] == ["fault_injected", FAILURE_DETECTED, "spare_claimed"]
+    assert [t for t, _ in got["rank 3"]] == pytest.approx([0.0, 0.2, 0.4])
+    assert got["spare 1"] == [(0.5, "fault_injected")]
+    windows = recovery_windows(events)
+    assert len(windows) == 1 and windows[0][2] == 1
+    assert windows[0][0] == pytest.approx(0.3) and windows[0][1] == pytest.approx(1.3)
+
+
+def test_report_draws_the_loss_beside_the_failure_free_twin(tmp_path, capsys):
+    events = tmp_path / "e.jsonl"
+    events.write_text(json.dumps({"time": 1.0, "event": "fault_injected", "generation": 0,
+                                  "rank": 1}) + "\n")  # fmt: skip
+    losses = [2.5, 2.25, 2.0]
+    lines = [json.dumps({"iteration": i + 1, "lm_loss_hex": x.hex()}) for i, x in enumerate(losses)]
+    (tmp_path / "run.jsonl").write_text("\n".join([*lines, lines[1]]) + "\n")  # 2 re-executed
+    (tmp_path / "twin.jsonl").write_text("\n".join(lines) + "\n")
+    png = tmp_path / "p.png"
+    assert main([str(events), "--png", str(png), "--metrics", str(tmp_path / "run.jsonl"),
+                 "--baseline", str(tmp_path / "twin.jsonl")]) == 0  # fmt: skip
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main([str(events), "--metrics", str(tmp_path / "nope.jsonl")]) == 2
+    assert "nope.jsonl' does not exist" in capsys.readouterr().err
