@@ -20,7 +20,7 @@ from ..control.client import ControlClient, connect
 from ..control.messages import SpareAssignment, spare_id
 from ..errors import DeadpoolError
 from ..events import SPARE_REGISTERED, EventLog
-from ..runtime import ROLE_WORKER, ProcessEnv
+from ..runtime import ROLE_WORKER, ProcessEnv, freeze_imports
 
 log = logging.getLogger("deadpool.spare")
 
@@ -37,6 +37,7 @@ def warm_up(force_cpu: bool) -> float:
         cpu_backend.activate()
     else:
         import megatron.core.models.gpt  # noqa: F401
+    freeze_imports()
     return time.perf_counter() - start
 
 

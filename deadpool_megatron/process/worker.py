@@ -24,7 +24,7 @@ from ..megatron.model import TrainState, build_train_state
 from ..megatron.training import Trainer
 from ..recovery.abort import CommunicatorAbort
 from ..recovery.stages import ProcessRecovery, RecoveryFailed
-from ..runtime import ProcessEnv
+from ..runtime import ProcessEnv, freeze_imports
 from .guard import Guard
 from .protection import build_pipeline
 from .session import ProtectedLoop
@@ -96,6 +96,7 @@ def watch(
 def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None) -> int:
     """Train as `env.rank`; with `takeover`, as a claimed spare taking a failed rank over."""
     start = time.perf_counter()
+    freeze_imports()
     progress = ProgressBoard(env.progress_file)  # private memory without a launcher
     progress.mark(0, "start")
     store = open_store(env, cfg)
