@@ -180,7 +180,7 @@ def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: floa
         events = read_events(str(events_path))
         for e in events:
             if e["event"] == "recovery_done" and e["generation"] not in generations:
-                generations[e["generation"]] = {"recovery": e, "samples": []}
+                generations[e["generation"]] = {"recovery": e, "samples": [], "taken": []}
                 _print_generation(generations, e["generation"] - 1)
         if not generations:
             continue
@@ -192,7 +192,11 @@ def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: floa
         workers = worker_pids(log) & set(descendants(proc.pid))
         samples = [s for s in map(sample, sorted(workers)) if s is not None]
         if samples:
-            generations[g]["samples"] = samples
+            taken = generations[g]["taken"]
+            taken[:] = [*taken[-1:], samples]
+            # The newest sample may have caught the next fault as it struck (it lands between
+            # two looks at the event log): the one before it is the steady one.
+            generations[g]["samples"] = taken[0]
     if generations:
         _print_generation(generations, max(generations))
     return generations

@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -483,12 +484,21 @@ class ProcessRecovery:
         whose closures hold the DDP, which holds its process groups), so dropping it frees
         nothing until the garbage collector's oldest generation runs, which may be many
         recoveries later; until then each old gloo group keeps its listener, connections and
-        three threads. Collected once per recovery, after the first resumed iteration (the
-        recovery's time is already recorded)."""
-        t = time.perf_counter()
-        found = gc.collect()
-        log.info("generation %d: freed the previous generation (%d objects) in %.3f s",
-                 self.ctx.generation, found, time.perf_counter() - t)  # fmt: skip
+        three threads. Collected once per recovery, after the first resumed iteration, on a
+        thread of its own: destroying a gloo group waits for the operations queued on it, and
+        one that gloo never woke after the abort only ends at the group's timeout (minutes;
+        measured: a soak's training thread stood still 585 s in this collection). The
+        destructor releases the GIL, so training goes on meanwhile; a collection started
+        while another one still waits returns at once."""
+        generation = self.ctx.generation
+
+        def collect() -> None:
+            t = time.perf_counter()
+            found = gc.collect()
+            log.info("generation %d: freed the previous generation (%d objects) in %.3f s",
+                     generation, found, time.perf_counter() - t)  # fmt: skip
+
+        threading.Thread(target=collect, name="deadpool-collect", daemon=True).start()
 
     def failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
         log.warning("recovery into generation %d failed: %s: %s", generation,
