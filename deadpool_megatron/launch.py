@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         "here (a spare node: N spares), host the job's TCPStore (node 0; with "
         "--deadpool-store etcd nobody does), watch them and the other nodes, and hot-swap "
         "failures. Run one per node.",
+        epilog="Environment: DEADPOOL_JOB_SECRET signs what the job writes to its store (at "
+        "least 16 characters, the same on every node; one node draws its own when unset); "
+        "DEADPOOL_ETCD_PASSWORD is the password of --deadpool-etcd-user.",
     )
     parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="Worker processes on this node.")  # fmt: skip
