@@ -79,6 +79,12 @@ def read_executions(path: str) -> dict[int, list[str]]:
     return _read(path)[0]
 
 
+def every_execution_equal(runs: dict[int, list[str]], baseline: dict[int, str]) -> bool:
+    """The same iterations as the failure-free run, and every execution of each (replays
+    included) with its loss, bit for bit."""
+    return set(runs) == set(baseline) and all(set(r) == {baseline[i]} for i, r in runs.items())
+
+
 def _read(path: str) -> tuple[dict[int, list[str]], dict | None]:
     runs: dict[int, list[str]] = {}
     final = None

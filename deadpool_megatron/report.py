@@ -23,7 +23,7 @@ from .events import (
     SPARE_STARTED,
     read_events,
 )
-from .metrics import read_executions
+from .metrics import every_execution_equal, read_executions, read_metrics
 
 MARKERS = {FAULT_INJECTED: ("v", "tab:red"), FAILURE_DETECTED: ("x", "black"),
            FENCED: ("s", "tab:purple"), SPARE_CLAIMED: ("^", "tab:green"),
@@ -126,7 +126,7 @@ def plot_report(
     events: list[dict],
     path: str,
     runs: dict[int, list[str]] | None = None,
-    baseline: dict[int, list[str]] | None = None,
+    baseline: dict[int, str] | None = None,
 ) -> None:
     import matplotlib
 
@@ -178,7 +178,7 @@ def plot_report(
         ax = axes.pop(0)
         if baseline:
             its = sorted(baseline)
-            ax.plot(its, [float.fromhex(baseline[i][-1]) for i in its], color="0.6", lw=3,
+            ax.plot(its, [float.fromhex(baseline[i]) for i in its], color="0.6", lw=3,
                     label="failure-free twin")  # fmt: skip
         first = sorted(runs)
         ax.plot(first, [float.fromhex(runs[i][0]) for i in first], ".", color="tab:blue",
@@ -187,8 +187,7 @@ def plot_report(
         if replays:
             ax.plot(*zip(*replays, strict=True), "o", mfc="none", color="tab:red",
                     label="re-executed after a failure")  # fmt: skip
-        equal = baseline is not None and all(set(runs[i]) == {baseline[i][-1]} for i in runs
-                                              if i in baseline) and set(runs) == set(baseline)  # fmt: skip
+        equal = baseline is not None and every_execution_equal(runs, baseline)
         ax.set_title(f"loss per iteration; bitwise equal to the twin: {'yes' if equal else 'no'}"
                      if baseline else "loss per iteration", fontsize=9)  # fmt: skip
         ax.set_xlabel("iteration")
@@ -220,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(recoveries)
     png = args.png or args.event_log.rsplit(".", 1)[0] + ".png"
     runs = read_executions(args.metrics) if args.metrics else None
-    baseline = read_executions(args.baseline) if args.baseline else None
+    baseline = read_metrics(args.baseline)[0] if args.baseline else None
     plot_report(events, png, runs, baseline)
     print(f"picture: {png}")
     return 0

@@ -36,7 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from deadpool_megatron.events import read_events  # noqa: E402
-from deadpool_megatron.metrics import read_executions, read_metrics  # noqa: E402
+from deadpool_megatron.metrics import (  # noqa: E402
+    every_execution_equal,
+    read_executions,
+    read_metrics,
+)
 
 PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate")
 KINDS = ("kill", "hang", "raise", "kill-spare", "kill-in-recovery", "corrupt")
@@ -288,7 +292,7 @@ def main(argv=None) -> int:
     equal = (
         proc.returncode == 0 and final is not None and losses == base_losses
         and final["state_digest"] == base_final["state_digest"]
-        and all(set(r) == {base_losses[i]} for i, r in runs.items())
+        and every_execution_equal(runs, base_losses)
     )  # fmt: skip
     done = [e for e in events if e["event"] == "recovery_done"]
     fired = [e for e in events if e["event"] == "fault_injected"]

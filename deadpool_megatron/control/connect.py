@@ -24,7 +24,8 @@ def control_store(
     """A client of the control store, signed with the job's secret (control/signed.py);
     raises StoreUnreachable naming the endpoint(s)."""
     if settings.deadpool_store == "etcd":
-        store = etcd_client(settings, timeout_s=min(timeout_s, 5.0))
+        store: KVStore = etcd_client(settings, timeout_s=min(timeout_s, 5.0))
         store.get("deadpool/probe")  # fail now, naming the endpoints, not at the first beat
-        return signed(store, job_secret())
-    return signed(TcpKVStore(host, port, timeout_s=timeout_s), job_secret())
+    else:
+        store = TcpKVStore(host, port, timeout_s=timeout_s)
+    return signed(store, job_secret())

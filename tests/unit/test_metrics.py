@@ -17,3 +17,12 @@ def test_a_replayed_iteration_keeps_every_execution_in_order(tmp_path):
     }
     losses, final = read_metrics(str(path))
     assert losses[2] == float.hex(2.0) and final["state_digest"] == "abc"  # the last one wins
+
+
+def test_every_execution_must_equal_the_failure_free_loss():
+    from deadpool_megatron.metrics import every_execution_equal
+
+    base = {1: "0x1.0p+1", 2: "0x1.8p+0"}
+    assert every_execution_equal({1: ["0x1.0p+1"], 2: ["0x1.8p+0", "0x1.8p+0"]}, base)
+    assert not every_execution_equal({1: ["0x1.0p+1"], 2: ["0x1.9p+0", "0x1.8p+0"]}, base)
+    assert not every_execution_equal({1: ["0x1.0p+1"]}, base)  # an iteration missing
