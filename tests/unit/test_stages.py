@@ -2,6 +2,9 @@
 on a real in-process TCPStore with a fake clock (no worker processes, no process groups); and
 the attempt loop: a failed attempt never reuses its generation, the next order is joined."""
 
+import gc
+import time
+
 import pytest
 
 from deadpool_megatron.config import JobConfig
@@ -23,6 +26,7 @@ from deadpool_megatron.recovery.stages import (
     RecoveryOrdered,
     StageTimeouts,
     Superseded,
+    release_groups,
 )
 from deadpool_megatron.runtime import ProcessEnv
 
@@ -182,3 +186,34 @@ def test_a_process_that_failed_by_itself_reports_it_before_stopping(kv):
     err = RuntimeError("injected")
     recovery.recover(FakeTrainer(), err)
     assert reported == [err] and ctx.generation == 1
+
+
+class _Group:
+    """Stands for an old process group whose destructor waits (gloo waiting out an operation
+    the abort never woke); records the order in which the groups were closed."""
+
+    def __init__(self, name, closing_s, closed):
+        self.group_name, self._closing_s, self._closed = name, closing_s, closed
+
+    def __del__(self):
+        time.sleep(self._closing_s)
+        self._closed.append(self.group_name)
+
+
+def test_old_groups_are_released_one_by_one_outside_the_collection_and_slow_ones_counted():
+    closed = []
+    groups = [_Group("a", 0.0, closed), _Group("b", 0.3, closed), _Group("c", 0.0, closed)]
+    gc.disable()  # the groups must be closed by the release, not by a collection
+    try:
+        assert release_groups(groups, slow_s=0.2) == 1
+    finally:
+        gc.enable()
+    assert groups == [] and closed == ["c", "b", "a"]
+
+
+def test_a_group_held_elsewhere_is_not_closed_by_the_release():
+    closed = []
+    kept = _Group("kept", 0.0, closed)
+    groups = [kept]
+    assert release_groups(groups) == 0
+    assert closed == [] and groups == []
