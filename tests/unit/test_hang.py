@@ -89,7 +89,16 @@ def test_assess_a_stopped_process_is_hung_after_the_heartbeat_timeout_whatever_i
     assert assess(None, tracker, "stopped", 1.5, t, POLICY).verdict is Verdict.OK
     a = assess(None, tracker, "stopped", 2.1, t, POLICY)
     assert a.verdict is Verdict.HUNG and "stopped" in a.reason
-    assert assess(0.1, tracker, "zombie", 2.1, t, POLICY).verdict is Verdict.HUNG
+    assert assess(0.1, tracker, "dead", 2.1, t, POLICY).verdict is Verdict.HUNG
+
+
+def test_a_zombie_is_exiting_and_hung_only_after_the_hang_timeout():
+    # Its exit status is on its way (its last threads are still leaving): not a hang yet.
+    tracker, t = _tracker([("forward", 0.5)] * 4 + [("finish", 0.5)])
+    assert assess(0.1, tracker, "zombie", 2.1, t, POLICY).verdict is Verdict.OK
+    assert assess(3.0, tracker, "zombie", 9.0, t, POLICY).verdict is Verdict.SUSPECTED
+    a = assess(3.0, tracker, "zombie", 10.5, t, POLICY)
+    assert a.verdict is Verdict.HUNG and "zombie (for 10.5 s)" in a.reason
 
 
 def test_stall_watch_waits_for_a_computing_thread_and_gives_up_on_a_blocked_one():
