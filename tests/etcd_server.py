@@ -46,17 +46,32 @@ class EtcdCluster:
         return ",".join(self.urls)
 
     def leader(self) -> int:
-        """The member that leads the cluster now (killing it forces an election)."""
+        """The live member that leads the cluster now (killing it forces an election)."""
         import json
         import urllib.request
 
         for i, url in enumerate(self.urls):
+            if self.procs[i].poll() is not None:
+                continue  # killed
             req = urllib.request.Request(url + "/v3/maintenance/status", data=b"{}")
             with urllib.request.urlopen(req, timeout=5) as resp:
                 status = json.loads(resp.read())
-            if status["header"]["member_id"] == status["leader"]:
+            if status["header"]["member_id"] == status.get("leader"):
                 return i
-        raise RuntimeError(f"no etcd member of {self.urls} says it leads")
+        raise RuntimeError(f"no live etcd member of {self.urls} says it leads")
+
+    def wait_for_leader(self, timeout_s: float = 30.0) -> int:
+        """The member that leads once an election (after a kill) is over."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.leader()
+            except (RuntimeError, OSError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def kill(self, member: int) -> None:
         self.procs[member].kill()

@@ -58,6 +58,11 @@ class LocalNodes:
         self.killed[node] = time.time()
         return pids
 
+    def iteration(self) -> int:
+        """The newest iteration the job's metrics hold (0 before the first)."""
+        done = read_metrics(str(self.metrics))[0] if self.metrics.exists() else {}
+        return max(done, default=0)
+
     def wait_for_iteration(self, iteration: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
