@@ -35,6 +35,21 @@ def checksum(buffer: torch.Tensor, meta: bytes = b"", iteration: int = -1) -> in
     return h.intdigest()
 
 
+def checksums(buffer: torch.Tensor, prefix: int, meta: bytes, iteration: int) -> tuple[int, int]:
+    """(checksum of the whole buffer, checksum of its first `prefix` bytes), each as
+    `checksum` defines it, in one pass over the bytes: a snapshot's part that is replicated
+    (the optimizer shard) gets the digest its replicas are checked against for free."""
+    data = memoryview(buffer.numpy())
+    tail = meta + iteration.to_bytes(8, "little", signed=True)
+    h = xxhash.xxh3_64()
+    h.update(data[:prefix])
+    part = h.copy()
+    part.update(tail)
+    h.update(data[prefix:])
+    h.update(tail)
+    return h.intdigest(), part.intdigest()
+
+
 def allocate(nbytes: int, pin: bool) -> torch.Tensor:
     """A host buffer, touched once now so no page fault lands on the training path."""
     buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)
@@ -48,6 +63,7 @@ class Slot:
     iteration: int = -1
     meta: bytes = b""
     checksum: int | None = None
+    prefix_checksum: int | None = None  # of the pair's first prefix_nbytes bytes (the sent part)
     committed: bool = False
     busy: bool = False  # being written, or read by a sender
 
@@ -64,9 +80,14 @@ class CorruptCopy(DeadpoolError):
 class SlotPair:
     """Two slots of the same size: one holds the last committed copy, one takes the next."""
 
-    def __init__(self, nbytes: int, pin: bool = False):
+    def __init__(self, nbytes: int, pin: bool = False, prefix_nbytes: int | None = None):
+        """`prefix_nbytes`: the leading part a sender ships on its own; each commit also
+        records that part's checksum (`Slot.prefix_checksum`) in the same pass."""
         self.slots = [Slot(allocate(nbytes, pin)), Slot(allocate(nbytes, pin))]
         self.nbytes = nbytes
+        self.prefix_nbytes = nbytes if prefix_nbytes is None else prefix_nbytes
+        if not 0 <= self.prefix_nbytes <= nbytes:
+            raise ValueError(f"prefix_nbytes {prefix_nbytes} must lie in [0, {nbytes}]")
         self.lock = threading.Condition()
 
     def committed(self) -> Slot | None:
@@ -108,7 +129,7 @@ class SlotPair:
 
     def commit(self, slot: Slot, iteration: int, meta: bytes, digest: int | None = None) -> None:
         """Mark `slot` as holding `iteration` once its bytes verify; raises CorruptCopy else."""
-        actual = checksum(slot.buffer, meta, iteration)
+        actual, part = checksums(slot.buffer, self.prefix_nbytes, meta, iteration)
         with self.lock:
             slot.busy = False
             if digest is not None and actual != digest:
@@ -119,7 +140,8 @@ class SlotPair:
                     f"({actual:#018x} != {digest:#018x}); keeping iteration "
                     f"{self._newest_iteration()}"
                 )
-            slot.iteration, slot.meta, slot.checksum, slot.committed = iteration, meta, actual, True
+            slot.iteration, slot.meta, slot.checksum = iteration, meta, actual
+            slot.prefix_checksum, slot.committed = part, True
             self.lock.notify_all()
 
     def abandon(self, slot: Slot) -> None:

@@ -37,6 +37,9 @@ class PipelineStats:
     lag_last: int = 0
     # (iteration, lag) for the latest SAMPLES snapshots
     lag_history: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    # Per protected iteration: the time the training thread spent on protection (waiting at
+    # the fence for the previous copy, capturing metadata, starting the snapshot).
+    stall_s: deque = field(default_factory=lambda: deque(maxlen=SAMPLES))
 
 
 def check_host_memory(needed_per_rank: int, local_ranks: int) -> None:
@@ -85,8 +88,9 @@ class ProtectionPipeline:
         )  # fmt: skip
         self._views: dict[int, list[torch.Tensor]] = {}
         self.snapshotter = Snapshotter(
-            state.tensors, self._views_of, layout.total_nbytes, use_cuda, self._on_commit
-        )
+            state.tensors, self._views_of, layout.total_nbytes, use_cuda, self._on_commit,
+            replicated_nbytes=layout.optimizer_nbytes,
+        )  # fmt: skip
         self.replicator = RingReplicator(
             transport,
             successors,
@@ -100,7 +104,8 @@ class ProtectionPipeline:
         self.stats = PipelineStats()
         self._previous: int | None = None  # iteration of the last snapshot started
         self._enabled = True
-        self._remove_fence = install_fence(self.snapshotter.fence) if install_fence else _nothing
+        self._fenced_s = 0.0  # fence waits since the last protected iteration
+        self._remove_fence = install_fence(self._fence) if install_fence else _nothing
 
     @property
     def enabled(self) -> bool:
@@ -119,6 +124,11 @@ class ProtectionPipeline:
             self._views[key] = [view_of(buffer, e) for e in self.state.layout.entries]
         return self._views[key]
 
+    def _fence(self) -> None:
+        t = time.perf_counter()
+        self.snapshotter.fence()
+        self._fenced_s += time.perf_counter() - t
+
     def _on_commit(self, slot) -> None:
         self.replicator.notify()
 
@@ -126,6 +136,7 @@ class ProtectionPipeline:
         """Called once per iteration after the optimizer step: start protecting `iteration`."""
         if not self.enabled or iteration % self.interval:
             return
+        started = time.perf_counter()
         if self._previous is not None:
             # The previous snapshot has been on its way for one iteration of compute: how many
             # snapshots does the newest verified replica of each predecessor trail it by?
@@ -147,6 +158,8 @@ class ProtectionPipeline:
         meta = self.state.capture_metadata(iteration, self.metadata)
         self.snapshotter.start(iteration, meta)
         self.stats.snapshots += 1
+        self.stats.stall_s.append(self._fenced_s + time.perf_counter() - started)
+        self._fenced_s = 0.0
 
     def committed_iteration(self) -> int:
         slot = self.snapshotter.slots.committed()

@@ -167,7 +167,12 @@ class RingReplicator:
             tensors = [_bytes_tensor(header)]
         else:
             payload = slot.buffer[: self.payload_nbytes]
-            digest = checksum(payload, slot.meta, slot.iteration)
+            digest = (
+                slot.prefix_checksum  # taken with the snapshot's own, in the same pass
+                if self.snapshots.prefix_nbytes == self.payload_nbytes
+                and slot.prefix_checksum is not None
+                else checksum(payload, slot.meta, slot.iteration)
+            )
             if flip:  # corrupt@: in flight only, the committed snapshot stays intact
                 payload = payload.clone()
                 payload[: min(64, self.payload_nbytes)] ^= 0xFF

@@ -33,11 +33,14 @@ class Snapshotter:
         nbytes: int,
         use_cuda: bool,
         on_commit: Callable[[Slot], None] | None = None,
+        replicated_nbytes: int | None = None,
     ):
+        """`replicated_nbytes`: the leading part of a snapshot the ring sends (its checksum is
+        taken in the same pass as the whole snapshot's)."""
         self._tensors_fn = tensors_fn
         self._views_fn = views_fn
         self.use_cuda = use_cuda
-        self.slots = SlotPair(nbytes, pin=use_cuda)
+        self.slots = SlotPair(nbytes, pin=use_cuda, prefix_nbytes=replicated_nbytes)
         self._on_commit = on_commit
         self._stream = torch.cuda.Stream() if use_cuda else None
         self._work: queue.Queue = queue.Queue()

@@ -232,6 +232,7 @@ def main() -> int:
     trainer.finish()
     if env.rank == 0:
         checks.results["lag_max"] = trainer.pipeline.stats.lag_max
+        checks.results["stall_s"] = list(trainer.pipeline.stats.stall_s)
         with open(args.result, "w") as fh:
             json.dump(checks.results, fh)
     parallel.destroy_distributed()

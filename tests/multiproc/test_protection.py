@@ -77,6 +77,8 @@ def test_replicas_match_and_restores_are_bitwise_in_3d(tmp_path, baseline_3d):
     assert run.losses == baseline_3d.losses
     assert run.digest == baseline_3d.digest
     assert result["lag_max"] <= 1
+    # The training thread's own protection time is measured once per snapshot (10 here).
+    assert len(result["stall_s"]) == 10 and all(0 <= s < 60 for s in result["stall_s"])
 
 
 def test_two_replicas_corruption_rejected_and_restore_in_dp4(tmp_path, baseline_dp4):

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from deadpool_megatron.checkpoint.buffers import CorruptCopy, SlotPair, checksum
+from deadpool_megatron.checkpoint.buffers import CorruptCopy, SlotPair, checksum, checksums
 from deadpool_megatron.checkpoint.pipeline import check_host_memory
 from deadpool_megatron.errors import ConfigError
 
@@ -81,3 +81,22 @@ def test_host_memory_check_names_the_figures():
     with pytest.raises(ConfigError, match=r"needs .* MiB of host memory per rank x 8 ranks"):
         check_host_memory(2**50, 8)
     check_host_memory(1024, 8)
+
+
+def test_one_pass_gives_the_whole_and_the_replicated_part_their_own_checksums():
+    buf = torch.arange(200, dtype=torch.int64).to(torch.uint8)
+    for prefix in (0, 1, 73, 200):
+        whole, part = checksums(buf, prefix, b"meta", 5)
+        assert whole == checksum(buf, b"meta", 5)
+        assert part == checksum(buf[:prefix], b"meta", 5)
+
+
+def test_a_commit_records_the_checksum_its_sent_part_is_checked_against():
+    pair = SlotPair(64, prefix_nbytes=40)
+    slot = pair.acquire_for_write()
+    slot.buffer.copy_(torch.arange(64, dtype=torch.uint8))
+    pair.commit(slot, 3, b"m")
+    assert slot.prefix_checksum == checksum(slot.buffer[:40], b"m", 3)
+    assert slot.checksum == checksum(slot.buffer, b"m", 3) and slot.verify()
+    with pytest.raises(ValueError, match="prefix_nbytes 65"):
+        SlotPair(64, prefix_nbytes=65)
