@@ -220,6 +220,7 @@ def main(argv=None) -> int:
         "parameters_ratio": last["parameters"] / first["parameters"],
         "save_interval": a.save_interval,
         "shape": f"TP{a.tp}xPP{a.pp}x{a.nproc // (a.tp * a.pp)}DP",
+        "nproc": a.nproc,
         "bitwise_equal": all(all(r["bitwise_equal"].values()) for r in results),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--costs", choices=("paper", "bench"), default="paper",
                    help="recovery costs: the paper's figures (default) or this repo's benchmark")  # fmt: skip
     p.add_argument("--bench-json", default=str(ROOT / "runs" / "bench_recovery.json"))
+    p.add_argument("--scale-json", default=str(ROOT / "runs" / "bench_recovery_scale.json"),
+                   help="with --costs bench: recovery growth per process, from "
+                        "bench_recovery_scale.py (used when the file exists)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "simulate_job.json"))
     a = p.parse_args(argv)
     if a.seeds < 2:
@@ -112,7 +115,8 @@ def main(argv=None) -> int:
         if a.costs == "bench":
             if not Path(a.bench_json).exists():
                 raise ConfigError(f"--costs bench needs {a.bench_json}: run bench_recovery.py")
-            p = with_bench_costs(p, a.bench_json)
+            scale = a.scale_json if Path(a.scale_json).exists() else None
+            p = with_bench_costs(p, a.bench_json, scale)
     except ConfigError as err:
         print(f"simulate_job.py: error: {err}", file=sys.stderr)
         return 2
@@ -120,6 +124,11 @@ def main(argv=None) -> int:
     yd = optimal_interval_iterations(p)
     print(f"{p.gpus:,} GPUs ({p.nodes:,} nodes), job MTBF {p.mtbf_s / 3600:.2f} h, "
           f"{p.iterations:,} iterations of {p.iteration_s:g} s, {a.seeds} seeds, {a.costs} costs")  # fmt: skip
+    projected = {n: round(dataclasses.replace(p, gpus=n).at_scale(p.swap_s), 2)
+                 for n in (512, 16_384)}  # fmt: skip
+    print(f"  hot-swap recovery {p.swap_s:.2f} s at {p.recovery_measured_gpus} GPUs, "
+          f"+{1000 * p.recovery_s_per_gpu:.3f} ms per GPU: {projected[512]} s at 512 GPUs, "
+          f"{projected[16_384]} s at 16,384")  # fmt: skip
     for key in ("ckpt_restart", "hotswap"):
         r = main_row[key]
         print(f"  {key:13s} lost to failures {r['lost_h']} h, failure-free overhead "
@@ -151,6 +160,8 @@ def main(argv=None) -> int:
         "hotswap_share": s.mean,
         "hotswap_share_ci95": s.ci95,
         "young_daly_interval": yd,
+        "hotswap_s_at_512": projected[512],
+        "hotswap_s_at_16384": projected[16_384],
         "costs": a.costs,
     }
     print(json.dumps(summary))

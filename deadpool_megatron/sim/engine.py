@@ -111,7 +111,7 @@ def simulate(p: SimParams, strategy: str, failures: Iterable[Failure]) -> Outcom
         returns = [r for r in returns if r > t]
         swappable = failure.transient or (spares > 0 and not failure.correlated)
         if hot and swappable:
-            down = p.reset_s if failure.transient else p.swap_s
+            down = p.at_scale(p.reset_s if failure.transient else p.swap_s)
             if not failure.transient:
                 spares -= 1
                 returns.append(t + p.replenish_s)

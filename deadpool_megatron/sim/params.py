@@ -49,9 +49,14 @@ class SimParams:
     replenish_s: float = 3600.0  # until a used spare is replaced by a repaired node
     # Hot-swap jobs keep persistent checkpoints for the unrecoverable case (0: none).
     hotswap_checkpoint_interval: int = 500
+    # How a hot-swap or reset grows with the job: seconds per GPU beyond the size swap_s and
+    # reset_s were measured at (bench_recovery_scale.py's fitted line; 0: flat, the paper's).
+    recovery_s_per_gpu: float = 0.0
+    recovery_measured_gpus: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("gpus", "gpus_per_node", "iterations", "checkpoint_interval"):
+        for name in ("gpus", "gpus_per_node", "iterations", "checkpoint_interval",
+                     "recovery_measured_gpus"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("transient_fraction", "correlated_fraction"):
@@ -59,9 +64,14 @@ class SimParams:
                 raise ConfigError(f"{name}={getattr(self, name)} must lie in [0, 1]")
         for name in ("node_failures_per_hour", "iteration_s", "checkpoint_s", "restart_s",
                      "load_s", "swap_s", "reset_s", "snapshot_overhead", "replenish_s",
-                     "spares", "replay_iterations", "hotswap_checkpoint_interval"):  # fmt: skip
+                     "spares", "replay_iterations", "hotswap_checkpoint_interval",
+                     "recovery_s_per_gpu"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be 0 or more")
+
+    def at_scale(self, seconds: float) -> float:
+        """A recovery cost measured at `recovery_measured_gpus`, projected to `gpus`."""
+        return seconds + self.recovery_s_per_gpu * max(0, self.gpus - self.recovery_measured_gpus)
 
     @property
     def nodes(self) -> int:
@@ -78,16 +88,24 @@ class SimParams:
         return float("inf") if rate == 0 else 1.0 / rate
 
 
-def with_bench_costs(p: SimParams, path: str | Path) -> SimParams:
-    """Recovery costs measured by scripts/bench_recovery.py (its first model size)."""
+def with_bench_costs(p: SimParams, path: str | Path, scale_path: str | Path | None = None
+                     ) -> SimParams:  # fmt: skip
+    """Recovery costs measured by scripts/bench_recovery.py (its first model size) and, when
+    `scale_path` names scripts/bench_recovery_scale.py's JSON, their growth per process (its
+    least-squares line), so that a projection to `gpus` carries what grows with the job."""
     doc = json.loads(Path(path).read_text())
     size = doc["sizes"][0]
     hs, cr = size["hotswap"], size["ckpt_restart"]
-    return replace(
+    q = replace(
         p,
         iteration_s=size["iteration_s"],
         swap_s=hs["recovery_total_s"],
         reset_s=hs["recovery_total_s"] - hs.get("transfer_state", 0.0),
         restart_s=cr["detect"] + cr["restart_processes"],
         load_s=cr["load"],
+        recovery_measured_gpus=int(doc["summary"].get("nproc", 8)),
     )
+    if scale_path is None:
+        return q
+    fitted = json.loads(Path(scale_path).read_text())["summary"]["recovery_fit"]
+    return replace(q, recovery_s_per_gpu=max(0.0, float(fitted["s_per_process"])))

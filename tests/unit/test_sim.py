@@ -102,3 +102,28 @@ def test_defaults_come_from_the_llama3_report_and_bad_values_are_named():
     assert SimParams(gpus=16_384).mtbf_s / 3600 == pytest.approx(54 * 24 / 419)
     with pytest.raises(ConfigError, match="transient_fraction=1.5"):
         SimParams(transient_fraction=1.5)
+
+
+def test_a_recovery_that_grows_with_the_job_costs_more_at_scale():
+    # Measured 4 s at 8 GPUs, growing 10 ms per GPU: 4 + 0.01 x (1008 - 8) = 14 s at 1008.
+    grown = replace(SMALL, gpus=1008, recovery_s_per_gpu=0.01, recovery_measured_gpus=8)
+    out = simulate(grown, "hotswap", [Failure(25.5)])
+    assert out.lost_s == pytest.approx(0.5 + 1 + 14)
+    assert replace(grown, gpus=4).at_scale(4.0) == 4.0  # never below what was measured
+
+
+def test_bench_costs_carry_the_measured_growth_per_process(tmp_path):
+    import json
+
+    from deadpool_megatron.sim.params import with_bench_costs
+
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"summary": {"nproc": 8}, "sizes": [{
+        "iteration_s": 0.5, "hotswap": {"recovery_total_s": 2.0, "transfer_state": 0.5},
+        "ckpt_restart": {"detect": 1.0, "restart_processes": 9.0, "load": 2.0}}]}))  # fmt: skip
+    scale = tmp_path / "scale.json"
+    scale.write_text(json.dumps({"summary": {"recovery_fit": {"s_per_process": 0.02}}}))
+    p = with_bench_costs(SimParams(gpus=512), bench, scale)
+    assert (p.swap_s, p.reset_s, p.restart_s, p.load_s) == (2.0, 1.5, 10.0, 2.0)
+    assert p.at_scale(p.swap_s) == pytest.approx(2.0 + 0.02 * (512 - 8))
+    assert with_bench_costs(SimParams(), bench).recovery_s_per_gpu == 0.0

@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""How hot-swap recovery grows with the number of processes, measured in ONE run.
+
+The same tiny GPT (so that 32 processes fit this machine) trains in TP1 x PP2 x DP(N/2) with
+one spare for each N of --nprocs; rank N/2 - 1 (the first pipeline stage's last DP rank) is
+killed in iteration --fail-at and hot-swapped. For each N the
+event log gives the recovery (failure to first resumed iteration) and its phases; the metrics
+give the normal iteration time, so the first resumed iteration is also a ratio to it. Each
+job's final state digest is compared with a failure-free twin of the same N (--no-twins skips
+them). A least-squares line per phase (seconds = a + b x processes) says what grows.
+
+    python scripts/bench_recovery_scale.py                   # 4, 8, 16, 32 processes
+    python scripts/bench_recovery_scale.py --nprocs 4,8      # a quick look
+
+Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": {N: s},
+"growth_8_to_32", "first_iteration_ratio", "phase_slope_ms_per_process", ...}.
+`python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deadpool_megatron.events import read_events  # noqa: E402
+
+PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
+          "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nprocs", default="4,8,16,32", help="process counts (default 4,8,16,32)")
+    p.add_argument("--hidden-size", type=int, default=32)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=32)
+    p.add_argument("--iters", type=int, default=12, help="iterations per job (default 12)")
+    p.add_argument("--fail-at", type=int, default=8, help="iteration of the kill (default 8)")
+    p.add_argument("--no-twins", action="store_true", help="skip the failure-free twins")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"))
+    p.add_argument("--reuse", action="store_true",
+                   help="summarize the jobs a previous run recorded in --out again")  # fmt: skip
+    a = p.parse_args(argv)
+    try:
+        a.counts = sorted({int(n) for n in a.nprocs.split(",")})
+    except ValueError:
+        p.error(f"--nprocs {a.nprocs!r}: give even process counts separated by commas, e.g. 4,8")
+    bad = [n for n in a.counts if n < 4 or n % 2 or a.global_batch_size % (n // 2)]
+    if bad:
+        p.error(f"--nprocs {bad}: each count must be even, at least 4, and its DP size (count/2) "
+                f"must divide --global-batch-size {a.global_batch_size}")  # fmt: skip
+    if not 2 < a.fail_at < a.iters:
+        p.error(f"--fail-at {a.fail_at} must lie in [3, --iters {a.iters} - 1]")
+    return a
+
+
+def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool) -> dict:
+    """One job of n processes (+1 spare); returns its phases, iteration time and digest."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
+    metrics.unlink(missing_ok=True)
+    events.unlink(missing_ok=True)
+    flags = ["--config", str(ROOT / "configs" / "demo.yaml"),
+             "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+             "--hidden-size", str(a.hidden_size), "--num-layers", str(a.num_layers),
+             "--micro-batch-size", "1", "--global-batch-size", str(a.global_batch_size),
+             "--train-iters", str(a.iters), "--log-interval", "4", "--deadpool",
+             "--metrics-jsonl", str(metrics), "--deadpool-event-log", str(events)]  # fmt: skip
+    victim = n // 2 - 1  # the last DP rank of the first pipeline stage
+    if failure:
+        flags += ["--deadpool-inject", f"kill@{victim}:{a.fail_at}"]
+    cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(n),
+           "--spares", "1", str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
+    start = time.time()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    (workdir / "job.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"the {n}-process job failed; see {workdir / 'job.log'}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    iters = [r["iteration_ms"] / 1000 for r in records
+             if "iteration_ms" in r and r.get("iteration", 0) > 2]  # fmt: skip
+    final = next(r for r in records if r.get("event") == "final")
+    out = {"iteration_s": statistics.median(iters), "digest": final["state_digest"],
+           "wall_s": time.time() - start}  # fmt: skip
+    if failure:
+        evs = read_events(str(events))
+        phases = {e["phase"]: e["duration_s"] for e in evs if e["event"] == "recovery_phase"}
+        done_ev = next(e for e in evs if e["event"] == "recovery_done")
+        out["phases"] = {k: phases.get(k, 0.0) for k in PHASES}
+        out["recovery_s"] = done_ev["total_s"]
+        out["victim"] = victim
+    return out
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x; (a, b)."""
+    if len(xs) < 2:
+        return (ys[0] if ys else 0.0), 0.0
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    return my - b * mx, b
+
+
+def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
+    counts = sorted(runs)
+    recovery = {n: runs[n]["recovery_s"] for n in counts}
+    slopes = {}
+    for phase in PHASES:
+        _, b = fit([float(n) for n in counts], [runs[n]["phases"][phase] for n in counts])
+        slopes[phase] = round(1000 * b, 2)
+    intercept, slope = fit([float(n) for n in counts], [recovery[n] for n in counts])
+    ratios = [runs[n]["phases"]["first_iteration"] / runs[n]["iteration_s"] for n in counts]
+    # On a machine with fewer cores than processes every phase that runs on all processes at
+    # once slows with N for want of CPU, and so does a normal iteration: recovery measured in
+    # normal iterations is the growth that oversubscription does not explain.
+    in_iters = {n: recovery[n] / runs[n]["iteration_s"] for n in counts}
+    lo, hi = (8, 32) if {8, 32} <= set(counts) else (counts[0], counts[-1])
+    return {
+        "recovery_s": {str(n): round(recovery[n], 3) for n in counts},
+        "phases_s": {
+            str(n): {k: round(v, 3) for k, v in runs[n]["phases"].items()} for n in counts
+        },
+        "iteration_s": {str(n): round(runs[n]["iteration_s"], 3) for n in counts},
+        "recovery_in_iterations": {str(n): round(in_iters[n], 3) for n in counts},
+        f"growth_{lo}_to_{hi}": round(recovery[hi] / recovery[lo], 3),
+        "growth_8_to_32": round(recovery[32] / recovery[8], 3) if {8, 32} <= set(counts) else None,
+        f"growth_{lo}_to_{hi}_in_iterations": round(in_iters[hi] / in_iters[lo], 3),
+        "first_iteration_ratio": {str(n): round(r, 3) for n, r in zip(counts, ratios, strict=True)},
+        "phase_slope_ms_per_process": slopes,
+        "recovery_fit": {
+            "intercept_s": round(intercept, 4),
+            "s_per_process": round(slope, 6),
+            "processes": counts,
+        },
+        "bitwise_equal": {str(n): runs[n].get("bitwise_equal") for n in counts},
+        "shape": "TP1xPP2xDP(N/2), 1 spare",
+        "hidden_size": a.hidden_size,
+        "num_layers": a.num_layers,
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    counts = [int(n) for n in summary["recovery_s"]]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bottom = [0.0] * len(counts)
+    for phase in PHASES:
+        vals = [summary["phases_s"][str(n)][phase] for n in counts]
+        ax.bar([str(n) for n in counts], vals, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for i, n in enumerate(counts):
+        ax.annotate(f"{summary['recovery_s'][str(n)]:.2f} s", (i, bottom[i]), ha="center",
+                    va="bottom", fontsize=8)  # fmt: skip
+    ax.set_xlabel("processes (TP1 x PP2 x DP N/2)")
+    ax.set_ylabel("failure to first resumed iteration (s)")
+    ax.set_title("Hot-swap recovery by job size (CPU, gloo, one killed rank)\n"
+                 "bars: each phase's slowest rank (ranks wait for each other, so phases overlap); "
+                 "labels: failure to first resumed iteration", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    out = Path(a.out)
+    work = out.parent / "bench_recovery_scale"
+    runs: dict[int, dict] = {}
+    if a.reuse:
+        runs = {int(n): r for n, r in json.loads(out.read_text())["runs"].items()}
+        a.counts = []  # nothing to run
+    for n in a.counts:
+        failed = job(a, n, work / f"n{n}" / "failure", failure=True)
+        if not a.no_twins:
+            twin = job(a, n, work / f"n{n}" / "free", failure=False)
+            failed["bitwise_equal"] = failed["digest"] == twin["digest"]
+        runs[n] = failed
+        ph = failed["phases"]
+        print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
+              + ", ".join(f"{k} {ph[k]:.2f}" for k in PHASES)
+              + f"), iteration {failed['iteration_s']:.3f} s, bitwise equal to the twin: "
+              f"{failed.get('bitwise_equal')}, job {failed['wall_s']:.0f} s", flush=True)  # fmt: skip
+    summary = summarize(a, runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "runs": {str(n): r for n, r in runs.items()}},
+                              indent=1))  # fmt: skip
+    plot(summary, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
