@@ -119,7 +119,7 @@ def simulate(p: SimParams, strategy: str, failures: Iterable[Failure]) -> Outcom
             redo = min(work, partial + p.replay_iterations * p.iteration_s)
         else:
             fallbacks += hot
-            down = p.restart_s + p.load_s
+            down = p.at_scale(p.restart_s) + p.load_s
             redo = work - saved
         work -= redo
         lost += redo + down

@@ -49,8 +49,9 @@ class SimParams:
     replenish_s: float = 3600.0  # until a used spare is replaced by a repaired node
     # Hot-swap jobs keep persistent checkpoints for the unrecoverable case (0: none).
     hotswap_checkpoint_interval: int = 500
-    # How a hot-swap or reset grows with the job: seconds per GPU beyond the size swap_s and
-    # reset_s were measured at (bench_recovery_scale.py's fitted line; 0: flat, the paper's).
+    # How a recovery grows with the job: seconds per GPU beyond the size swap_s, reset_s and
+    # restart_s were measured at (bench_recovery_scale.py's fitted line; 0: flat, the paper's).
+    # A restart pays it too: it creates the same process groups and model again.
     recovery_s_per_gpu: float = 0.0
     recovery_measured_gpus: int = 1
 

@@ -110,6 +110,9 @@ def test_a_recovery_that_grows_with_the_job_costs_more_at_scale():
     out = simulate(grown, "hotswap", [Failure(25.5)])
     assert out.lost_s == pytest.approx(0.5 + 1 + 14)
     assert replace(grown, gpus=4).at_scale(4.0) == 4.0  # never below what was measured
+    # A restart creates the same groups and model again: it pays the growth too.
+    restarted = simulate(grown, "ckpt_restart", [Failure(25.5)])
+    assert restarted.lost_s == pytest.approx(1.5 + (5 + 10) + 3)
 
 
 def test_bench_costs_carry_the_measured_growth_per_process(tmp_path):
