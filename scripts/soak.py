@@ -11,7 +11,7 @@ time is read from the event log and every live process that holds a rank is samp
 before the next fault counts. Growth is measured per process, between the first generation
 after the first recovery and the last.
 
-    python scripts/soak.py                       # 8 workers, 2 spares, 20 failures
+    python scripts/soak.py                       # 8 workers, 2 spares, 30 faults, ~10 min
     python scripts/soak.py --failures 6 --iters-per-failure 4   # the short form (the suite)
 
 The last line printed is one JSON object: failures, recovered, bitwise_equal, fd_growth,
@@ -53,9 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     p.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
     p.add_argument("--spares", type=int, default=2, help="spare processes (default 2)")
-    p.add_argument("--failures", type=int, default=20, help="faults to inject (default 20)")
-    p.add_argument("--iters-per-failure", type=int, default=5,
-                   help="iterations between two faults (default 5)")  # fmt: skip
+    p.add_argument("--failures", type=int, default=30, help="faults to inject (default 30)")
+    p.add_argument("--iters-per-failure", type=int, default=25,
+                   help="iterations between two faults (default 25)")  # fmt: skip
     p.add_argument("--seed", type=int, default=7, help="seed of the fault plan (default 7)")
     p.add_argument("--out", default="runs/soak", help="directory for logs and results")
     a = p.parse_args(argv)

@@ -2,7 +2,8 @@
 transient error, idle spare killed, a spare killed while it recovers, a corrupted replica), with
 replenishment on; it must recover from all of them, bitwise equal to its failure-free twin,
 without accusing a healthy process, and no process may grow (fds, threads, RSS) from one
-generation to the next. The full soak (20 faults, 8 workers) is scripts/soak.py."""
+generation to the next. The full soak (30 faults over about 10 minutes, 8 workers) is
+scripts/soak.py."""
 
 from __future__ import annotations
 
