@@ -16,13 +16,17 @@ def live_groups() -> list[object]:
     return list(dist.distributed_c10d._world.pg_map)
 
 
-def reachable_groups(*roots: object, max_depth: int = 14) -> list[tuple[str, object]]:
-    """(path, group) for every ProcessGroup reachable from `roots` and parallel_state."""
+def reachable_groups(
+    *roots: object, max_depth: int = 14, skip: tuple = ()
+) -> list[tuple[str, object]]:
+    """(path, group) for every ProcessGroup reachable from `roots` and parallel_state, not
+    looking into the objects in `skip` (what holds old groups on purpose)."""
     from megatron.core import parallel_state
 
     named = {f"root{i}": r for i, r in enumerate(roots)}
     named["parallel_state"] = dict(vars(parallel_state))
-    found, seen, stack = [], set(), [(name, obj, 0) for name, obj in named.items()]
+    found, seen = [], {id(o) for o in skip}
+    stack = [(name, obj, 0) for name, obj in named.items()]
     while stack:
         path, obj, depth = stack.pop()
         skip = (types.ModuleType, torch.Tensor, str, bytes, int, float, type)
@@ -53,8 +57,8 @@ def reachable_groups(*roots: object, max_depth: int = 14) -> list[tuple[str, obj
     return found
 
 
-def stale_groups(old: list[object], *roots: object) -> tuple[int, list[str]]:
-    """(groups reachable, paths of those that are in `old`)."""
+def stale_groups(old: list[object], *roots: object, skip: tuple = ()) -> tuple[int, list[str]]:
+    """(groups reachable, paths of those that are in `old`), not looking into `skip`."""
     old_ids = {id(g) for g in old}
-    reachable = reachable_groups(*roots)
+    reachable = reachable_groups(*roots, skip=skip)
     return len(reachable), [path for path, g in reachable if id(g) in old_ids]

@@ -462,7 +462,11 @@ class ProcessRecovery:
         rebuilt.trainer.attach(rebuilt.state, plan.iteration, pipeline)
         checked = None
         if self.cfg.deadpool.deadpool_verify_groups:
-            reachable, stale = stale_groups(rebuilt.old_groups, rebuilt.trainer, self)
+            # The retired groups are held on purpose, apart from the training objects, until
+            # the collection after the first resumed iteration releases them.
+            reachable, stale = stale_groups(
+                rebuilt.old_groups, rebuilt.trainer, self, skip=(self._retired,)
+            )
             if stale:
                 raise RecoveryFailed(
                     f"{len(stale)} reference(s) to process groups from before the recovery "
