@@ -112,7 +112,8 @@ def validate_launch_args(a: argparse.Namespace) -> None:
         raise ConfigError(f"script {a.script!r} does not exist")
     if job_secret() is None and nodes > 1:
         raise ConfigError(
-            f"{nodes} nodes need {ENV_JOB_SECRET} set, to the same value on every node (it "
+            f"--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes} = {nodes} nodes need "
+            f"{ENV_JOB_SECRET} set, to the same value on every node (it "
             "signs what the job writes to its store; the Slurm script draws one). By hand: "
             "export DEADPOOL_JOB_SECRET=$(python -c 'import secrets; "
             "print(secrets.token_hex(32))') before starting each node's agent"

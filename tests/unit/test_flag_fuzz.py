@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from deadpool_megatron import launch
@@ -98,6 +98,7 @@ def _launch(argv: list[str]) -> None:
 
 @FUZZ
 @given(argv=_command_lines(launch.build_parser()))
+@example(argv=["--nproc-per-node", "1", "--spare-nodes", "1", "--master-port", "1"])  # found once
 def test_launcher_flags_are_accepted_or_refused_with_one_message(argv):
     argv = [*argv, str(ROOT / "pretrain_gpt.py")]
     code, message = _outcome(lambda: _launch(argv))

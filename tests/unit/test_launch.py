@@ -86,7 +86,7 @@ def test_several_nodes_need_the_jobs_secret_and_a_short_one_is_refused():
         timeout=60,
     )  # fmt: skip
     assert done.returncode == 2
-    assert "2 nodes need DEADPOOL_JOB_SECRET set, to the same value on every node" in done.stderr
+    assert "--nnodes 2 + --spare-nodes 0 = 2 nodes need DEADPOOL_JOB_SECRET set" in done.stderr
     done = _launch(["--config", "configs/demo.yaml"], nproc=1, env={"DEADPOOL_JOB_SECRET": "abc"})
     assert done.returncode == 2 and "DEADPOOL_JOB_SECRET has 3 characters" in done.stderr
 
