@@ -30,10 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from deadpool_megatron.events import read_events  # noqa: E402
+from bench_recovery import HOTSWAP_PHASES as PHASES  # noqa: E402 (this folder, as a script)
 
-PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
-          "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
+from deadpool_megatron.events import read_events  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
