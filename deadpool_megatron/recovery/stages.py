@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
+from .leftovers import LeftBehind, referrer_chain
 from .plan import RankHoldings, RecoveryPlan, check_plan
 
 log = logging.getLogger("deadpool.recovery")
@@ -198,6 +200,7 @@ class ProcessRecovery:
         self._account: dict | None = None  # phases of a recovery awaiting its first iteration
         # Process groups of the generations left behind, released after the collection.
         self._retired: list[object] = []
+        self.models = LeftBehind()  # each generation's model, to catch one that outlives it
 
     # -- entry points ------------------------------------------------------------------------
     def recover(self, trainer: Trainer, err: BaseException) -> None:
@@ -280,6 +283,8 @@ class ProcessRecovery:
         """Break this process's (and so its peers') pending collectives; keep the buffers."""
         self.abort.abort()
         self.completed = max(self.completed, trainer.iteration)
+        if trainer.state is not None:
+            self.models.track(self.ctx.generation, trainer.state.model[0])
         self._keep(trainer.detach())
 
     def _keep(self, pipeline: ProtectionPipeline | None) -> None:
@@ -343,6 +348,7 @@ class ProcessRecovery:
         phases = {"rebuild_communicators": time.perf_counter() - t}
         t = time.perf_counter()
         state = build_train_state(self.cfg, on_gpu)
+        self.models.track(plan.generation, state.model[0])
         materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
         if trainer is None:
             trainer = make_trainer(state, on_gpu)
@@ -494,19 +500,24 @@ class ProcessRecovery:
         recoveries later; until then each old gloo group keeps its listener, connections and
         three threads. Collected once per recovery, after the first resumed iteration, on a
         thread of its own. The old groups are held outside the cycle meanwhile and released
-        one by one after the collection (`release_groups`): destroying a gloo group waits for
+        one by one between collections (`free_generation`): destroying a gloo group waits for
         an operation gloo never woke after the abort until the group's timeout (minutes), and
         inside a collection that wait would stop every later collection of the process with
-        it (measured: a soak's process grew by 68 descriptors and 51 threads per generation)."""
+        it (measured: a soak's process grew by 68 descriptors and 51 threads per generation).
+        A left model still alive after that is logged with what holds it (`LeftBehind`)."""
         generation = self.ctx.generation
         retired, self._retired = self._retired, []
 
         def collect() -> None:
             t = time.perf_counter()
-            found = gc.collect()
+            found = free_generation(retired, gc.collect,
+                                    lambda: bool(self.models.survivors(before=generation)))  # fmt: skip
             log.info("generation %d: freed the previous generation (%d objects) in %.3f s",
                      generation, found, time.perf_counter() - t)  # fmt: skip
-            release_groups(retired)
+            for older, ref in self.models.survivors(before=generation).items():
+                log.warning("generation %d: the model of generation %d outlived its collection "
+                            "(its process groups stay open); held by: %s", generation, older,
+                            " -> ".join(referrer_chain(ref)) or "nothing now")  # fmt: skip
 
         threading.Thread(target=collect, name="deadpool-collect", daemon=True).start()
 
@@ -538,6 +549,33 @@ class ProcessRecovery:
             )
             if protected:
                 self.held = Held()
+
+
+def free_generation(
+    retired: list[object],
+    collect: Callable[[], int],
+    alive: Callable[[], bool],
+    slow_s: float = 1.0,
+) -> int:
+    """Collect what a left generation left behind, never running a group's destructor inside a
+    collection; returns the objects the collections found.
+
+    Part of an old model's cycle can be held from outside Python through one of its
+    generation's groups (an operation still pending on it holds tensors whose autograd graph
+    reaches the gradient hooks, which hold the DDP): a collection frees that model only once
+    the group is gone (measured: each recovery freed the model of the generation before the
+    previous one). So while a left model is alive (`alive`), the groups that nothing but
+    `retired` holds are released (their destructors run here, between collections) and the
+    collection repeated; the groups the freed models held are released last."""
+    found = collect()
+    while alive():
+        sole = [i for i in reversed(range(len(retired))) if sys.getrefcount(retired[i]) <= 2]
+        if not sole:
+            break
+        release_groups([retired.pop(i) for i in sole], slow_s)
+        found += collect()
+    release_groups(retired, slow_s)
+    return found
 
 
 def release_groups(groups: list[object], slow_s: float = 1.0) -> int:

@@ -4,6 +4,7 @@ the attempt loop: a failed attempt never reuses its generation, the next order i
 
 import gc
 import time
+import weakref
 
 import pytest
 
@@ -26,6 +27,7 @@ from deadpool_megatron.recovery.stages import (
     RecoveryOrdered,
     StageTimeouts,
     Superseded,
+    free_generation,
     release_groups,
 )
 from deadpool_megatron.runtime import ProcessEnv
@@ -64,6 +66,7 @@ class FakeAbort:
 
 class FakeTrainer:
     iteration = 7
+    state = None  # already detached
 
     def detach(self):
         return None
@@ -217,3 +220,64 @@ def test_a_group_held_elsewhere_is_not_closed_by_the_release():
     groups = [kept]
     assert release_groups(groups) == 0
     assert closed == [] and groups == []
+
+
+class _Hostage:
+    """Stands for an old group with an operation still pending on it: until the group is
+    destroyed, the pending operation holds (from outside Python) the old model's cycle."""
+
+    def __init__(self, name, closed, holds, in_collection):
+        self.group_name, self._closed, self._holds = name, closed, holds
+        self._in_collection = in_collection
+
+    def __del__(self):
+        self._closed.append((self.group_name, self._in_collection[0]))
+        self._holds.clear()  # the pending operation ends with the group
+
+
+class _Model:
+    def __init__(self, groups):
+        self.groups = groups
+        self.hook = lambda: self  # a cycle, as the DDP's gradient hooks make one
+
+
+def test_a_model_held_through_an_old_group_is_freed_in_the_same_collection_round():
+    closed, holds, in_collection = [], [], [False]
+    pending = _Hostage("ring", closed, holds, in_collection)
+    world, pp = (
+        _Hostage("world", closed, [], in_collection),
+        _Hostage("pp", closed, [], in_collection),
+    )
+    model = _Model([world, pp])  # the model holds its own groups
+    holds.append(model)  # the pending operation on "ring" holds the model
+    alive = weakref.ref(model)
+    retired = [world, pp, pending]
+    del model, world, pp, pending
+
+    def collect():
+        in_collection[0] = True
+        try:
+            return gc.collect()
+        finally:
+            in_collection[0] = False
+
+    found = free_generation(retired, collect, lambda: alive() is not None)
+    assert alive() is None and found > 0  # freed now, not one recovery later
+    assert retired == []
+    assert sorted(name for name, _ in closed) == ["pp", "ring", "world"]
+    assert not any(inside for _, inside in closed), closed  # no destructor inside a collection
+
+
+def test_a_model_something_else_keeps_stays_reported_and_its_groups_are_still_released():
+    closed, in_collection = [], [False]
+    world = _Hostage("world", closed, [], in_collection)
+    model = _Model([world])
+    kept = [model]  # a real leak: nothing this process releases frees it
+    alive = weakref.ref(model)
+    retired = [world]
+    del model, world
+    free_generation(retired, gc.collect, lambda: alive() is not None)
+    assert alive() is not None and retired == [] and closed == []
+    kept.clear()
+    gc.collect()
+    assert alive() is None and [n for n, _ in closed] == ["world"]
