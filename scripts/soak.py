@@ -15,7 +15,8 @@ after the first recovery and the last.
     python scripts/soak.py --failures 6 --iters-per-failure 4   # the short form (the suite)
 
 The last line printed is one JSON object: failures, recovered, bitwise_equal, fd_growth,
-thread_growth, rss_growth_mb, rss_growth_pct, false_accusations, and the run's figures.
+thread_growth, rss_growth_mb, rss_growth_pct, false_accusations, models_outlived (a left
+generation's model still alive after its recovery's collection), and the run's figures.
 """
 
 from __future__ import annotations
@@ -307,6 +308,10 @@ def main(argv=None) -> int:
         "bitwise_equal": equal,
         **growth(generations),
         "false_accusations": len(wrong),
+        # a generation's model alive after its recovery's collection (logged with its holder)
+        "models_outlived": (out / "soak.log")
+        .read_text(errors="replace")
+        .count("outlived its collection"),
         "recovery_s_median": round(statistics.median(totals), 2) if totals else None,
         "recovery_s_max": round(max(totals), 2) if totals else None,
         "spares_started": sum(1 for e in events if e["event"] == "spare_started"),
