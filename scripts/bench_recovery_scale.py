@@ -13,7 +13,9 @@ them). A least-squares line per phase (seconds = a + b x processes) says what gr
     python scripts/bench_recovery_scale.py --nprocs 4,8      # a quick look
 
 Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": {N: s},
-"growth_8_to_32", "first_iteration_ratio", "phase_slope_ms_per_process", ...}.
+"growth_8_to_32", "first_iteration_ratio", "recovery_cpu_s" (the busiest process's CPU seconds
+over the recovery, which oversubscription does not inflate), "cpu_growth_8_to_32",
+"phase_slope_ms_per_process", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
 """
 
@@ -95,6 +97,8 @@ def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool) -> dict:
         done_ev = next(e for e in evs if e["event"] == "recovery_done")
         out["phases"] = {k: phases.get(k, 0.0) for k in PHASES}
         out["recovery_s"] = done_ev["total_s"]
+        out["cpu_s_max"] = done_ev.get("cpu_s_max")  # the busiest process's CPU seconds
+        out["cpu_s_mean"] = done_ev.get("cpu_s_mean")
         out["victim"] = victim
     return out
 
@@ -123,6 +127,8 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
     # normal iterations is the growth that oversubscription does not explain.
     in_iters = {n: recovery[n] / runs[n]["iteration_s"] for n in counts}
     lo, hi = (8, 32) if {8, 32} <= set(counts) else (counts[0], counts[-1])
+    cpu = {n: runs[n].get("cpu_s_max") for n in counts}
+    cpu_growth = round(cpu[hi] / cpu[lo], 3) if cpu[lo] and cpu[hi] else None
     return {
         "recovery_s": {str(n): round(recovery[n], 3) for n in counts},
         "phases_s": {
@@ -134,6 +140,11 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         "growth_8_to_32": round(recovery[32] / recovery[8], 3) if {8, 32} <= set(counts) else None,
         f"growth_{lo}_to_{hi}_in_iterations": round(in_iters[hi] / in_iters[lo], 3),
         "first_iteration_ratio": {str(n): round(r, 3) for n, r in zip(counts, ratios, strict=True)},
+        # CPU seconds of the busiest process over the recovery: what it would take where every
+        # process has cores of its own, the growth that more cores would not remove.
+        "recovery_cpu_s": {str(n): cpu[n] for n in counts},
+        "recovery_cpu_s_mean": {str(n): runs[n].get("cpu_s_mean") for n in counts},
+        f"cpu_growth_{lo}_to_{hi}": cpu_growth,
         "phase_slope_ms_per_process": slopes,
         "recovery_fit": {
             "intercept_s": round(intercept, 4),
@@ -193,7 +204,8 @@ def main(argv=None) -> int:
         ph = failed["phases"]
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
               + ", ".join(f"{k} {ph[k]:.2f}" for k in PHASES)
-              + f"), iteration {failed['iteration_s']:.3f} s, bitwise equal to the twin: "
+              + f"), CPU {failed['cpu_s_max']} s in the busiest process"
+              + f", iteration {failed['iteration_s']:.3f} s, bitwise equal to the twin: "
               f"{failed.get('bitwise_equal')}, job {failed['wall_s']:.0f} s", flush=True)  # fmt: skip
     summary = summarize(a, runs)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -310,6 +310,7 @@ class Recovered(Record):
     iteration: int
     bytes_moved: int
     groups_checked: int | None = None
+    cpu_s: float | None = None  # this process's CPU (all threads) from failure to resumed
 
 
 # -- nodes and their agents --------------------------------------------------------------------

@@ -172,6 +172,7 @@ class ProcessRecovery:
         timeouts: StageTimeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        cpu_clock: Callable[[], float] = time.process_time,
     ):
         self.cfg = cfg
         self.env = env
@@ -185,6 +186,8 @@ class ProcessRecovery:
         self.timeouts = timeouts or StageTimeouts.from_config(cfg.deadpool)
         self._clock = clock
         self._sleep = sleep
+        self._cpu_clock = cpu_clock  # this process's CPU seconds, every thread
+        self._cpu_at = 0.0  # the CPU clock when the recovery under way began
         self.topology = Topology(
             env.world_size,
             cfg.parallel.tensor_model_parallel_size,
@@ -269,6 +272,7 @@ class ProcessRecovery:
     def _begin(self, iteration: int) -> None:
         self.progress.mark(iteration, "recovery")
         self.active = True
+        self._cpu_at = self._cpu_clock()
 
     def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         """Stages 5-7 once the generation's groups, model and optimizer are built. Restore
@@ -536,8 +540,11 @@ class ProcessRecovery:
             now = time.time()
             phases = dict(self._account["phases"])
             phases["first_iteration"] = now - self._account["restored_at"]
+            # CPU seconds apart from wall time: on a machine with fewer cores than processes,
+            # wall time grows with the job for want of cores; CPU per process does not.
+            cpu_s = self._cpu_clock() - self._cpu_at
             record = Recovered(phases, now, trainer.iteration, self.bytes_moved,
-                               self._account["groups"])  # fmt: skip
+                               self._account["groups"], cpu_s)  # fmt: skip
             self.ctx.put(keys.recovered(self.ctx.job, self.ctx.generation, self.env.rank), record)
             self._account = None
             self.bytes_moved = 0

@@ -146,10 +146,11 @@ def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteratio
     for r in range(4):
         assert coord.poll_done() is None
         phases = {"rebuild_communicators": 0.1 * (r + 1), "first_iteration": 0.2}
-        record = Recovered(phases, clock.t + 1.0 + r, 5, 1000 if r == 3 else 0)
+        record = Recovered(phases, clock.t + 1.0 + r, 5, 1000 if r == 3 else 0, cpu_s=0.5 + r)
         kv.set(keys.recovered(JOB, 1, r), record.encode())
     summary = coord.poll_done()
     assert summary["total_s"] == pytest.approx(0.5 + 1.0 + 3)
+    assert summary["cpu_s_max"] == 3.5 and summary["cpu_s_mean"] == 2.0  # per process
     assert summary["bytes_moved"] == 1000 and summary["replaced"] == {"3": "spare-0"}
     assert coord.pending is None and coord.poll_done() is None
     events = read_events(str(tmp_path / "ev.jsonl"))

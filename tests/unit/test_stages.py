@@ -18,6 +18,7 @@ from deadpool_megatron.control.messages import (
     Membership,
     PlanDecision,
     RankHoldings,
+    Recovered,
     RecoveryPlan,
 )
 from deadpool_megatron.failure.progress import ProgressBoard
@@ -67,18 +68,20 @@ class FakeAbort:
 class FakeTrainer:
     iteration = 7
     state = None  # already detached
+    pipeline = None
 
     def detach(self):
         return None
 
 
-def make(kv, time_, rank=1, cls=ProcessRecovery):
+def make(kv, time_, rank=1, cls=ProcessRecovery, cpu_clock=time.process_time):
     cfg = JobConfig()
     cfg.parallel.pipeline_model_parallel_size = 2
     env = ProcessEnv("worker", rank, 4, rank, 4, "127.0.0.1", None, None, JOB, False, True)
     ctx = JobContext(kv, JOB)
     recovery = cls(cfg, env, ctx, None, ProgressBoard(), FakeAbort(), protect=None,
-                   timeouts=TIMEOUTS, clock=time_.clock, sleep=time_.sleep)  # fmt: skip
+                   timeouts=TIMEOUTS, clock=time_.clock, sleep=time_.sleep,
+                   cpu_clock=cpu_clock)  # fmt: skip
     return recovery, ctx
 
 
@@ -160,6 +163,7 @@ class Scripted(ProcessRecovery):
     def complete(self, plan, rebuilt):
         self.ctx.advance(plan.generation)
         self.active = False
+        self._account = {"phases": {"verify": 0.1}, "restored_at": 0.0, "groups": None}
 
 
 def test_a_failed_attempt_waits_for_a_newer_order_and_never_reuses_its_generation(kv):
@@ -189,6 +193,19 @@ def test_a_process_that_failed_by_itself_reports_it_before_stopping(kv):
     err = RuntimeError("injected")
     recovery.recover(FakeTrainer(), err)
     assert reported == [err] and ctx.generation == 1
+
+
+def test_the_account_of_a_recovery_carries_its_cpu_seconds_from_the_failure_on(kv):
+    time_ = FakeTime()
+    cpu = iter([10.0, 12.5])  # the process's CPU clock at the failure, at the first iteration
+    recovery, ctx = make(kv, time_, cls=Scripted, cpu_clock=lambda: next(cpu))
+    Scripted.outcomes = {1: object()}
+    kv.set(keys.recovery_plan(JOB, 1), PlanDecision(plan(1), 8).encode())
+    ctx.see_order(1)
+    recovery.recover(FakeTrainer(), RecoveryOrdered("recovery into generation 1 ordered"))
+    recovery.after_iteration(FakeTrainer())
+    record = Recovered.decode(kv.get(keys.recovered(JOB, 1, 1)))
+    assert record.cpu_s == 2.5 and record.phases["verify"] == 0.1
 
 
 class _Group:
