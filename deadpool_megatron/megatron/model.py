@@ -23,6 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from ..config import JobConfig
+from . import parallel
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,10 @@ def build_optimizer(cfg: JobConfig, model: list[DistributedDataParallel]):
         initial_loss_scale=t.initial_loss_scale if t.fp16 else None,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, model)
+    twins = parallel.supported_kwargs(
+        get_megatron_optimizer, use_gloo_process_groups=parallel.gloo_twins()
+    )
+    optimizer = get_megatron_optimizer(opt_config, model, **twins)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if t.lr_warmup_iters > 0 else t.lr,

@@ -7,6 +7,7 @@ prefix: every group this job uses is created here.
 from __future__ import annotations
 
 import datetime
+import inspect
 import logging
 import os
 import random
@@ -62,11 +63,28 @@ def init_distributed(
         pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=vp,
         distributed_timeout_minutes=int(max(1, cfg.system.distributed_timeout_minutes)),
+        **supported_kwargs(
+            parallel_state.initialize_model_parallel, create_gloo_process_groups=gloo_twins()
+        ),
     )
     if not on_gpu:
         cpu_backend.patch_loaded_modules()
     set_random_seed(cfg.training.seed)
     return on_gpu
+
+
+def gloo_twins() -> bool:
+    """Whether megatron-core creates gloo twins of its data-parallel groups (and the optimizer
+    is handed them). Not in a gloo job: its groups are gloo already, each twin is one more
+    full mesh per DP group at every build and every recovery, and nothing here uses them (the
+    checkpoints are dp_reshardable, which gathers nothing over them)."""
+    return dist.get_backend() != "gloo"
+
+
+def supported_kwargs(fn, **kwargs) -> dict:
+    """The keyword arguments `fn` takes (megatron-core versions differ)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def set_random_seed(seed: int) -> None:
@@ -97,9 +115,13 @@ def host_group() -> dist.ProcessGroup:
     """A gloo group over every rank, for a recovery's host-memory transfers and checks.
 
     The state a recovery moves lives in host buffers; in an NCCL job the default group cannot
-    carry CPU tensors, so the transfers and the verification always go through a gloo group
-    chosen explicitly (in gloo jobs too: one path, tested on CPU). Collective over every rank.
+    carry CPU tensors, so a gloo group over every rank is created for them (collective over
+    every rank). In a gloo job the default group is that group already: a second full mesh
+    would cost every rank one connection per rank at each recovery for nothing (the
+    separate-group path is tested on CPU with a default backend that moves nothing).
     """
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
     return dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
 
 
