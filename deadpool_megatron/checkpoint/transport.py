@@ -1,13 +1,14 @@
 """Host-to-host transport of replicas: a small interface, one implementation per backend.
 
 The replicator only needs ordered, asynchronous point-to-point messages between two ranks of
-a dedicated group; gloo over TCP is the one here (MPI or NCCL can be added behind the same
+dedicated groups; gloo over TCP is the one here (MPI or NCCL can be added behind the same
 interface). Ranks are global ranks.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,13 +25,20 @@ class Transport(ABC):
 
 
 class GlooTransport(Transport):
-    """Point-to-point over a gloo process group owned by the replication thread alone."""
+    """Point-to-point over gloo groups owned by the replication thread alone: one group per
+    peer (the two ranks of a ring edge), keyed by the peer's global rank."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, groups: Mapping[int, dist.ProcessGroup]):
+        self.groups = dict(groups)
 
     def isend(self, tensor: torch.Tensor, dst: int):
-        return dist.isend(tensor, dst=dst, group=self.group)
+        return dist.isend(tensor, dst=dst, group=self._group(dst))
 
     def irecv(self, tensor: torch.Tensor, src: int):
-        return dist.irecv(tensor, src=src, group=self.group)
+        return dist.irecv(tensor, src=src, group=self._group(src))
+
+    def _group(self, peer: int) -> dist.ProcessGroup:
+        group = self.groups.get(peer)
+        if group is None:
+            raise ValueError(f"no ring edge to rank {peer}: edges to {sorted(self.groups)}")
+        return group

@@ -9,8 +9,9 @@ one model chunk per virtual pipeline stage, each wrapped in DistributedDataParal
 
 from __future__ import annotations
 
+import gc
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
@@ -36,13 +37,16 @@ class TrainState:
     optimizer: object
     scheduler: OptimizerParamScheduler
     transformer_config: TransformerConfig
+    hook_tables: list[dict] = field(default_factory=list)  # see `unhook`
 
 
 def train_state(model: list, optimizer, scheduler) -> TrainState:
-    """The state of a model built elsewhere (by Megatron-LM's set-up, say)."""
+    """The state of a model built elsewhere (by Megatron-LM's set-up, say), before its first
+    iteration."""
     from megatron.core.utils import get_model_config
 
-    return TrainState(list(model), optimizer, scheduler, get_model_config(model[0]))
+    model = list(model)
+    return TrainState(model, optimizer, scheduler, get_model_config(model[0]), hook_tables(model))
 
 
 def params_dtype(cfg: JobConfig) -> torch.dtype:
@@ -200,4 +204,35 @@ def build_train_state(cfg: JobConfig, on_gpu: bool) -> TrainState:
     tcfg = transformer_config(cfg, on_gpu)
     model = build_model(cfg, tcfg, on_gpu)
     optimizer, scheduler = build_optimizer(cfg, model)
-    return TrainState(model, optimizer, scheduler, tcfg)
+    return TrainState(model, optimizer, scheduler, tcfg, hook_tables(model))
+
+
+def hook_tables(model: list) -> list[dict]:
+    """The tables holding megatron-core DDP's gradient hooks, one per parameter's gradient
+    accumulator, found while the model has not run: once a forward's graph shares an
+    accumulator, torch no longer shows its hooks to the collector (nor to this search), and
+    megatron-core keeps no handle to them."""
+    return [
+        table
+        for chunk in model
+        for accumulator in getattr(chunk, "grad_accs", ())
+        for table in gc.get_referents(accumulator)
+        if isinstance(table, dict)
+    ]
+
+
+def unhook(state: TrainState) -> int:
+    """Cut an abandoned model's gradient hooks off its parameters' gradient accumulators;
+    returns how many hooks were removed. Only for a model that never runs again.
+
+    Each hook's closure holds the DDP, and so every process group of its generation. An
+    operation gloo never woke after the abort keeps the failed iteration's tensors until the
+    group's timeout (minutes), and their autograd graph reaches those accumulators from
+    outside Python: with the hooks in place that kept the old model and its groups open past
+    its recovery's collection (measured in the soak); without them the graph reaches the
+    parameters only."""
+    removed = 0
+    for table in state.hook_tables:
+        removed += len(table)
+        table.clear()
+    return removed

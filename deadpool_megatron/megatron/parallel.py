@@ -125,25 +125,39 @@ def host_group() -> dist.ProcessGroup:
     return dist.new_group(ranks=list(range(dist.get_world_size())), backend="gloo")
 
 
-def ring_group(topo: Topology) -> dist.ProcessGroup:
-    """A gloo group over this rank's DP ring, owned by the replication thread alone.
+def ring_pairs(topo: Topology, replicas: int) -> dict[int, dist.ProcessGroup]:
+    """A gloo group of two for each ring edge of this rank (to its `replicas` successors and
+    predecessors), keyed by the peer; owned by the replication thread alone.
 
-    Every rank creates every DP ring's group, in the same order, from the main thread (group
-    creation is collective), and keeps its own; megatron's own gloo DP group is not reused
-    because a group must never be shared between threads.
+    A group over a whole ring had every member connect to every other at each generation
+    (a full mesh of DP size); an edge's group connects its two ranks only. Every rank calls
+    `new_group` for every edge of the job, in one order (torch names groups by a per-process
+    count, and local synchronization names them by the count of groups a process holds, which
+    differs between the two ends), but only the two ranks of an edge connect; the others
+    return at once (no barrier after creation unless TORCH_DIST_INIT_BARRIER=1). The one
+    order also means no two creations wait on each other in a cycle. megatron-core's DP group
+    is not reused: a group is never shared between threads.
     """
-    mine = None
-    for rank in range(topo.world_size):
-        ring = topo.dp_group(rank)
-        if ring[0] != rank:
-            continue
-        group = dist.new_group(ranks=ring, backend="gloo")
-        if dist.get_rank() in ring:
-            mine = group
+    me = dist.get_rank()
     expected = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
-    if sorted(expected) != sorted(topo.dp_group(dist.get_rank())):
+    if sorted(expected) != sorted(topo.dp_group(me)):
         raise RuntimeError(
             f"megatron-core's DP group {expected} differs from the ring "
-            f"{topo.dp_group(dist.get_rank())}: unsupported rank order"
+            f"{topo.dp_group(me)}: unsupported rank order"
         )
+    edges = sorted(
+        {tuple(sorted((r, s))) for r in range(topo.world_size)
+         for s in topo.ring_successors(r, replicas)}
+    )  # fmt: skip
+    mine = {}
+    for a, b in edges:
+        group = dist.new_group(ranks=[a, b], backend="gloo")
+        if me in (a, b):
+            mine[b if me == a else a] = group
     return mine
+
+
+def dp_group() -> dist.ProcessGroup:
+    """megatron-core's data-parallel group of this rank (its ring's members), for the training
+    thread's own exchanges at set-up."""
+    return parallel_state.get_data_parallel_group()

@@ -32,25 +32,27 @@ def build_pipeline(
     before_send: Callable[[int], bool | None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
 ) -> ProtectionPipeline:
-    """Collective over every rank: the ring groups are created, then shard sizes exchanged
-    on each ring."""
+    """Collective over every ring: its edges' groups are created, then shard sizes exchanged
+    on it."""
     p = cfg.parallel
     world = dist.get_world_size()
     rank = dist.get_rank()
     topo = Topology(
         world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, env.local_world_size
     )
-    group = parallel.ring_group(topo)
     k = cfg.deadpool.deadpool_replicas
+    edges = parallel.ring_pairs(topo, k)
     coords = topo.coords(rank)
     rank_state = RankState(state.model, state.optimizer, state.scheduler)
-    # Replica sizes come from the ring's own (gloo) group: predecessors are all on it.
-    sizes = all_gather_ints([rank_state.layout.optimizer_nbytes], group)
-    shard_sizes = {r: n for r, (n,) in zip(dist.get_process_group_ranks(group), sizes, strict=True)}
+    # Replica sizes over the ring's members (megatron's DP group, on this thread, before the
+    # replication thread starts): every predecessor is one of them.
+    ring = parallel.dp_group()
+    sizes = all_gather_ints([rank_state.layout.optimizer_nbytes], ring)
+    shard_sizes = {r: n for r, (n,) in zip(dist.get_process_group_ranks(ring), sizes, strict=True)}
     predecessors = topo.ring_predecessors(rank, k)
     return ProtectionPipeline(
         rank_state,
-        GlooTransport(group),
+        GlooTransport(edges),
         successors=topo.ring_successors(rank, k),
         predecessors=predecessors,
         replica_nbytes={p: shard_sizes[p] for p in predecessors},

@@ -65,7 +65,7 @@ from ..megatron import parallel
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import live_groups, stale_groups
-from ..megatron.model import TrainState, build_train_state
+from ..megatron.model import TrainState, build_train_state, unhook
 from ..megatron.shard import RankState
 from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
@@ -289,6 +289,7 @@ class ProcessRecovery:
         self.completed = max(self.completed, trainer.iteration)
         if trainer.state is not None:
             self.models.track(self.ctx.generation, trainer.state.model[0])
+            unhook(trainer.state)  # a pending operation's graph must not hold it
         self._keep(trainer.detach())
 
     def _keep(self, pipeline: ProtectionPipeline | None) -> None:

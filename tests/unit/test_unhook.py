@@ -1,0 +1,61 @@
+"""An abandoned model whose failed iteration's autograd graph is still held from outside
+(an operation gloo never woke keeps its tensors) is freed once its gradient hooks are cut."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from deadpool_megatron.megatron.model import TrainState, hook_tables, unhook
+
+
+class _DDP(torch.nn.Module):
+    """Registers its gradient hooks as megatron-core's DistributedDataParallel does: on each
+    parameter's gradient accumulator, a closure holding the DDP, no handle kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.module = torch.nn.Linear(4, 4)
+        self.group = object()  # stands for the generation's process groups
+        self.grad_accs = []
+        for param in self.module.parameters():
+            accumulator = param.expand_as(param).grad_fn.next_functions[0][0]
+            accumulator.register_hook(self._make_backward_post_hook(param))
+            self.grad_accs.append(accumulator)
+
+    def _make_backward_post_hook(self, param):
+        def hook(*unused):
+            self.last = param
+
+        return hook
+
+
+def _abandon(cut: bool) -> tuple[weakref.ref, list]:
+    model = _DDP()
+    state = TrainState([model], None, None, None, hook_tables([model]))
+    pending = [model.module(torch.ones(2, 4))]  # the failed iteration's output, its graph held
+    if cut:
+        assert unhook(state) == 2  # weight and bias
+    return weakref.ref(model), pending
+
+
+def test_the_hooks_are_found_before_the_model_runs():
+    model = _DDP()
+    assert len(hook_tables([model])) == 2
+    out = model.module(torch.ones(2, 4))
+    assert hook_tables([model]) == []  # while a graph shares them, torch hides them
+    del out
+
+
+def test_a_held_graph_keeps_the_model_alive_until_its_hooks_are_cut():
+    kept, pending = _abandon(cut=False)
+    gc.collect()
+    assert kept() is not None  # what the soak saw: the model outlived its collection
+    cut, still_pending = _abandon(cut=True)
+    gc.collect()
+    assert cut() is None and still_pending[0].grad_fn is not None
+    pending.clear()
+    gc.collect()
+    assert kept() is None
