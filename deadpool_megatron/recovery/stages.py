@@ -289,7 +289,8 @@ class ProcessRecovery:
         self.completed = max(self.completed, trainer.iteration)
         if trainer.state is not None:
             self.models.track(self.ctx.generation, trainer.state.model[0])
-            unhook(trainer.state)  # a pending operation's graph must not hold it
+            cut = unhook(trainer.state)  # a pending operation's graph must not hold it
+            log.debug("cut %d gradient hooks off generation %d's model", cut, self.ctx.generation)
         self._keep(trainer.detach())
 
     def _keep(self, pipeline: ProtectionPipeline | None) -> None:
