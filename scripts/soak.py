@@ -8,8 +8,8 @@ once. The job runs with spares and replenishment on (the pool refills as process
 a failure-free twin of the same flags runs first. While the soak job runs, each recovery's
 time is read from the event log and every live process that holds a rank is sampled from /proc
 (open file descriptors, threads, RSS) while each generation trains; a generation's last sample
-before the next fault counts. Growth is measured per process, between the first generation
-after the first recovery and the last.
+before the next fault counts. Growth is measured per process, between its first sampled
+generation and its last.
 
     python scripts/soak.py                       # 8 workers, 2 spares, 30 faults, ~10 min
     python scripts/soak.py --failures 6 --iters-per-failure 4   # the short form (the suite)
@@ -222,17 +222,15 @@ NO_GROWTH = {"fd_growth": 0, "thread_growth": 0, "rss_growth_mb": 0.0, "rss_grow
 
 
 def growth(generations: dict[int, dict]) -> dict[str, float]:
-    """The largest growth of any process holding a rank, between its second sampled
-    generation (it has been through one recovery while holding its rank) and its last.
-
-    The step into the second generation is left out on purpose: a process keeps the
-    generation before its current one (README, "Soak") and a process's first generation has
-    none before it; what must not happen is growth after that."""
+    """The largest growth of any process holding a rank, between its first sampled generation
+    and its last (a process that took over a rank counts from its first generation holding it:
+    a process frees the generation it left at that recovery's own collection, so nothing may
+    step up after its first sample)."""
     per_pid: dict[int, list] = {}
     for g in sorted(generations):
         for s in generations[g]["samples"]:
             per_pid.setdefault(s.pid, []).append(s)
-    followed = {pid: (ss[1], ss[-1]) for pid, ss in per_pid.items() if len(ss) >= 3}
+    followed = {pid: (ss[0], ss[-1]) for pid, ss in per_pid.items() if len(ss) >= 2}
     if not followed:
         return dict(NO_GROWTH)
     rss = [(b.rss_mb - a.rss_mb, a.rss_mb) for a, b in followed.values()]
