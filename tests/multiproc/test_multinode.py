@@ -29,11 +29,21 @@ SHAPE = ["--config", str(ROOT / "configs" / "demo.yaml"), "--tensor-model-parall
          "--pipeline-model-parallel-size", "1", "--global-batch-size", "12",
          "--train-iters", "14", "--deadpool"]  # fmt: skip
 NODE_OF_RANK = {r: r // NPROC for r in range(6)}
+# Long enough that an etcd election (a few seconds) ends well before training does: the
+# demo's iterations take about 0.15 s at DP6 here.
+LONG = [("60" if a == "14" else a) for a in SHAPE]  # --train-iters 60
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     base = run_job(tmp_path_factory.mktemp("base_dp6"), 6, SHAPE, name="baseline")
+    assert base.returncode == 0, base.output[-3000:]
+    return base
+
+
+@pytest.fixture(scope="module")
+def baseline_long(tmp_path_factory):
+    base = run_job(tmp_path_factory.mktemp("base_dp6_long"), 6, LONG, name="baseline")
     assert base.returncode == 0, base.output[-3000:]
     return base
 
@@ -73,7 +83,8 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
     log = tmp_path / "events.jsonl"
     env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="1", DEADPOOL_GPU="0",
                PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
-               MASTER_PORT=str(free_port()))  # fmt: skip
+               MASTER_PORT=str(free_port()),
+               TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # ours, even if MEGATRON_LM_DIR is set  # fmt: skip
     submit = slurm.run(
         "env", *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
         "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", "--nodes=4",
@@ -144,13 +155,13 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
     assert "spare 0: job finished, exiting" in nodes.output(0)  # node 0's spare, never needed
 
 
-def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_path, baseline):
+def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_path, baseline_long):
     # Control records and every generation's rendezvous in a 3-member etcd cluster: its
     # leader killed mid-job (an election follows) changes nothing; node 0 (the first agent's)
     # lost is hot-swapped.
     etcd = start_etcd_cluster(tmp_path, 3)
     log = tmp_path / "events.jsonl"
-    args = [*SHAPE, "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd.endpoints,
+    args = [*LONG, "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd.endpoints,
             "--deadpool-event-log", str(log)]  # fmt: skip
     nodes = start_nodes(tmp_path, 3, 1, NPROC, args, launcher=("--job-id", tmp_path.name))
     try:
@@ -159,7 +170,9 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
         etcd.wait_for_leader()
         # Node 0 dies once the election is over and the job has trained on: two events, not
         # one (a node whose etcd member died under it is late by the election's length).
-        nodes.wait_for_iteration(min(nodes.iteration() + 3, 10), 120)
+        target = nodes.iteration() + 3
+        assert target < 50, f"the election outlasted training (iteration {target - 3})"
+        nodes.wait_for_iteration(target, 120)
         nodes.kill_node(0)
         rcs = nodes.wait(400)
     finally:
@@ -167,7 +180,7 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
         etcd.stop()
     assert rcs[1:] == [0, 0, 0], nodes.all_output()[-6000:]
     job = result(nodes, 1)
-    assert job.losses == baseline.losses and job.digest == baseline.digest
+    assert job.losses == baseline_long.losses and job.digest == baseline_long.digest
     events = read_events(str(log))
     assert len(_named(events, "recovery_started")) == 1  # the etcd member's loss cost nothing
     _assert_node_swapped(events, 0, {0: "spare-6", 1: "spare-7"})
