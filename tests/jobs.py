@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -117,6 +118,27 @@ def run_job_and_kill(
             proc.wait()
     (tmp_path / "killed.log").write_text("".join(lines))
     return _result(proc.returncode, "".join(lines), metrics), victim_pid, signalled_at
+
+
+def run_drivers(driver: Path, argvs: list[list[str]], timeout_s: float) -> list[dict]:
+    """Run one driver process per argv at once (each a rank of a small torch.distributed job
+    of its own) and return, in order, the JSON object each printed last; a driver that fails
+    fails the test with its stderr."""
+    procs = [
+        subprocess.Popen([sys.executable, str(driver), *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for argv in argvs
+    ]  # fmt: skip
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout_s)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return outs
 
 
 def _result(returncode: int, output: str, metrics: Path) -> JobResult:

@@ -1,15 +1,11 @@
-"""The replication ring's groups: one group of two per ring edge, created only by its two
-ranks, in an order that never deadlocks, carrying replicas to the right peers."""
+"""The replication ring's groups: one group of two per ring edge, connected by its two ranks
+only, created in an order that never deadlocks, carrying replicas to the right peers."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from jobs import ROOT
+from jobs import ROOT, run_drivers
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
@@ -17,21 +13,8 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 def _run(tmp_path, world, tp, pp, replicas, per_node):
     driver = ROOT / "tests" / "drivers" / "ring_pairs_driver.py"
     args = [str(a) for a in (world, tp, pp, replicas, per_node)]
-    procs = [
-        subprocess.Popen([sys.executable, str(driver), str(rank), *args, str(tmp_path / "store")],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in range(world)
-    ]  # fmt: skip
-    outs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=200)
-            assert proc.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            proc.kill()
-    return outs
+    argvs = [[str(rank), *args, str(tmp_path / "store")] for rank in range(world)]
+    return run_drivers(driver, argvs, timeout_s=200)
 
 
 def test_two_replicas_on_a_ring_of_six_spanning_three_nodes(tmp_path):
