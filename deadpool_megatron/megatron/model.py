@@ -9,7 +9,6 @@ one model chunk per virtual pipeline stage, each wrapped in DistributedDataParal
 
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass, field
 
@@ -209,16 +208,26 @@ def build_train_state(cfg: JobConfig, on_gpu: bool) -> TrainState:
 
 def hook_tables(model: list) -> list[dict]:
     """The tables holding megatron-core DDP's gradient hooks, one per parameter's gradient
-    accumulator, found while the model has not run: once a forward's graph shares an
-    accumulator, torch no longer shows its hooks to the collector (nor to this search), and
-    megatron-core keeps no handle to them."""
-    return [
-        table
-        for chunk in model
-        for accumulator in getattr(chunk, "grad_accs", ())
-        for table in gc.get_referents(accumulator)
-        if isinstance(table, dict)
-    ]
+    accumulator (megatron-core keeps no handle to them).
+
+    Asked of torch by registering a probe hook and removing it: the probe's handle names the
+    accumulator's table. The collector cannot be asked: torch shows an accumulator's hooks to
+    it only while nothing else holds the accumulator, and the distributed optimizer's shard
+    views of fp32 parameters (`model_param.view(-1)[start:end]`, no detach) hold theirs from
+    the moment it is built (measured: the collector found 13 of a stage's 27 tables)."""
+    tables = []
+    for chunk in model:
+        for accumulator in getattr(chunk, "grad_accs", ()):
+            probe = accumulator.register_hook(_probe)
+            table = probe.hooks_dict_ref()
+            probe.remove()
+            if table:
+                tables.append(table)
+    return tables
+
+
+def _probe(*unused) -> None:
+    """Registered and removed at once by `hook_tables`; never called."""
 
 
 def unhook(state: TrainState) -> int:

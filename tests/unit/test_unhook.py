@@ -32,21 +32,32 @@ class _DDP(torch.nn.Module):
         return hook
 
 
+def _optimizer(model: _DDP) -> list:
+    """What megatron-core's DistributedOptimizer keeps of an fp32 parameter: a view of its
+    shard, no detach, so it holds the parameter's accumulator too."""
+    return [model.module.weight.view(-1)[2:6]]
+
+
 def _abandon(cut: bool) -> tuple[weakref.ref, list]:
     model = _DDP()
-    state = TrainState([model], None, None, None, hook_tables([model]))
+    state = TrainState([model], _optimizer(model), None, None, hook_tables([model]))
     pending = [model.module(torch.ones(2, 4))]  # the failed iteration's output, its graph held
     if cut:
         assert unhook(state) == 2  # weight and bias
     return weakref.ref(model), pending
 
 
-def test_the_hooks_are_found_before_the_model_runs():
+def test_the_hooks_are_found_while_something_else_holds_the_accumulators():
+    """The distributed optimizer keeps views of fp32 parameters (no detach) from the moment
+    it is built, and a running iteration holds its graph: either hides an accumulator's
+    hooks from the collector, not from `hook_tables`."""
     model = _DDP()
+    optimizer = _optimizer(model)
     assert len(hook_tables([model])) == 2
     out = model.module(torch.ones(2, 4))
-    assert hook_tables([model]) == []  # while a graph shares them, torch hides them
-    del out
+    tables = hook_tables([model])
+    assert len(tables) == 2 and all(len(t) == 1 for t in tables)  # the probe is gone again
+    del out, optimizer
 
 
 def test_a_held_graph_keeps_the_model_alive_until_its_hooks_are_cut():
