@@ -12,9 +12,12 @@ through torch, which wakes every pending operation.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
 import threading
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
@@ -29,6 +32,12 @@ COLLECTIVES = (
 
 _aborted = threading.Event()
 _waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-wait")
+# Sends and receives posted and not yet waited for to completion (see `_time_out`); weakly:
+# gloo marks a send or receive complete only once waited for, so one dropped unwaited would
+# otherwise stay here with its tensors.
+_open_lock = threading.Lock()
+_open: weakref.WeakSet[AbortableWork] = weakref.WeakSet()
+_TIME_OUT = datetime.timedelta(milliseconds=1)
 
 
 class AbortedByRecovery(RuntimeError):
@@ -36,12 +45,39 @@ class AbortedByRecovery(RuntimeError):
 
 
 def abort_pending() -> None:
-    """Make every pending (and future) wait give up, until `reset`."""
+    """Make every pending (and future) wait give up, until `reset`; end the pending sends and
+    receives."""
     _aborted.set()
+    with _open_lock:
+        works = list(_open)
+        _open.clear()
+    for work in works:
+        _time_out(work._work)
+
+
+def _time_out(work: dist.Work) -> None:
+    """End a send or receive gloo would never wake: a wait with a timeout makes gloo time the
+    operation out and close its pair, which wakes whoever else waits on it (a helper thread
+    here) and ends the operation (the group's destructor waits for pending ones: until the
+    group's timeout, minutes, it held back the release of the generation's other groups).
+    Measured on torch 2.13: a receive or send with no peer, waited for on one thread, raises
+    there within a millisecond of another thread's 1 ms wait. A collective's wait with a
+    timeout only raises in the caller (the operation goes on): collectives are not here."""
+    with contextlib.suppress(RuntimeError):
+        work.wait(_TIME_OUT)
 
 
 def reset() -> None:
-    """New communicators: their operations wait normally again."""
+    """New communicators: their operations wait normally again, on a fresh set of helper
+    threads. The old set ends its idle threads now and any still waiting (on a collective
+    gloo never woke) when that wait ends: kept, they would stay in the pool for good, one
+    more each time a wait was left behind while a new one needed a thread."""
+    global _waiters
+    old, _waiters = (
+        _waiters,
+        ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-wait"),
+    )
+    old.shutdown(wait=False)
     _aborted.clear()
 
 
@@ -51,19 +87,30 @@ def _check() -> None:
 
 
 class AbortableWork:
-    def __init__(self, work: dist.Work):
+    def __init__(self, work: dist.Work, point_to_point: bool = False):
         self._work = work
+        if point_to_point:  # ended by `abort_pending` until waited for
+            with _open_lock:
+                _open.add(self)
 
     def wait(self, timeout=None) -> bool:
         _check()
         if timeout is not None:
-            return self._work.wait(timeout)
-        future = _waiters.submit(self._work.wait)
-        while True:
-            try:
-                return future.result(timeout=POLL_S)
-            except TimeoutError:
-                _check()
+            done = self._work.wait(timeout)
+        else:
+            future = _waiters.submit(self._work.wait)
+            while True:
+                try:
+                    done = future.result(timeout=POLL_S)
+                    break
+                except TimeoutError:
+                    _check()
+                except RuntimeError:
+                    _check()  # ended by `abort_pending`: say so, not "pair closure"
+                    raise
+        with _open_lock:  # complete: nothing to end (a wait given up stays, for the abort)
+            _open.discard(self)
+        return done
 
     def __getattr__(self, name: str):
         return getattr(self._work, name)
@@ -90,7 +137,7 @@ def _point_to_point(fn):
     def call(*args, **kwargs):
         _check()
         work = fn(*args, **kwargs)
-        return None if work is None else AbortableWork(work)
+        return None if work is None else AbortableWork(work, point_to_point=True)
 
     return call
 
@@ -112,7 +159,7 @@ def distributed_view() -> types.ModuleType:
 
     def batch_isend_irecv(ops: list) -> list:
         _check()
-        return [AbortableWork(work) for work in dist.batch_isend_irecv(ops)]
+        return [AbortableWork(work, point_to_point=True) for work in dist.batch_isend_irecv(ops)]
 
     view.P2POp = p2p_op
     view.batch_isend_irecv = batch_isend_irecv

@@ -1,0 +1,69 @@
+"""One of two processes: rank 1 posts a pipeline receive (and a send) that rank 0 never
+matches, as a stage does when its peer died, waits for it through the interruptible view the
+training loop uses, and is aborted as a recovery would abort it. Prints what happened as JSON:
+whether the training thread gave up, whether the helper thread that waited on gloo's operation
+ended, and whether the group could be destroyed without waiting for its timeout.
+
+usage: abort_p2p_driver.py RANK STORE_FILE
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from deadpool_megatron.megatron import gloo_ops
+
+TIMEOUT = datetime.timedelta(seconds=120)  # the group's: what a wait gloo never woke waits for
+
+
+def helpers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("deadpool-gloo-wait")]
+
+
+def main(rank: int, store_file: str) -> None:
+    store = dist.FileStore(store_file, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=TIMEOUT)
+    if rank == 0:
+        store.wait(["done"], TIMEOUT)  # posts nothing: rank 1's operations never complete
+        print(json.dumps({"rank": 0}))
+        return
+    view = gloo_ops.distributed_view()
+    recv, send = view.irecv(torch.zeros(4), 0), view.isend(torch.ones(1 << 20), 0)
+    outcome: dict = {}
+
+    def training() -> None:
+        try:
+            recv.wait()
+            outcome["training"] = "returned"
+        except gloo_ops.AbortedByRecovery:
+            outcome["training"] = "aborted"
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    time.sleep(0.5)  # waiting on a helper thread by now
+    outcome["helpers_waiting"] = len(helpers())
+    gloo_ops.abort_pending()  # what CommunicatorAbort.abort does first
+    thread.join(10)
+    gloo_ops.reset()  # the next generation's groups are built
+    deadline = time.monotonic() + 10
+    while helpers() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    outcome["helpers_left"] = len(helpers())
+    destroy = threading.Thread(target=dist.destroy_process_group)
+    destroy.start()
+    destroy.join(TIMEOUT.total_seconds() / 4)
+    outcome["destroyed"] = not destroy.is_alive()
+    print(json.dumps({"rank": 1, **outcome, "send_done": send._work.is_completed()}), flush=True)
+    store.set("done", "1")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2])
+    sys.stdout.flush()

@@ -1,0 +1,20 @@
+"""Operations gloo would not wake after a failure: the training thread gives up at the abort,
+and a pipeline send or receive left pending is ended, so neither a helper thread nor the old
+group's destructor waits for the group's timeout (minutes) with the generation's resources."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs import ROOT, run_drivers
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
+
+
+def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_path):
+    driver = ROOT / "tests" / "drivers" / "abort_p2p_driver.py"
+    outs = run_drivers(driver, [[str(r), str(tmp_path / "store")] for r in range(2)], 150)
+    out = outs[1]
+    assert out["helpers_waiting"] == 1 and out["training"] == "aborted"
+    assert out["helpers_left"] == 0  # the helper's wait on gloo ended, and with it the thread
+    assert out["destroyed"]  # the group's destructor found nothing pending
