@@ -412,12 +412,19 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
         )
         _require(c.save is not None, "--save-interval is set but --save is not; pass --save DIR")
     if c.load is not None:
+        # --save DIR --load DIR before DIR exists is Megatron's resume-if-present pattern (a
+        # restarted attempt loads what the first one saved); any other missing --load is a typo.
         _require(
-            os.path.isdir(c.load),
-            f"--load {c.load!r} is not a directory; pass a directory written by --save",
+            os.path.isdir(c.load) or _same_path(c.load, c.save),
+            f"--load {c.load!r} is not a directory; pass a directory written by --save (or the "
+            "same directory as --save, to resume from it once it exists)",
         )
     validate_deadpool(cfg, dp)
     return cfg
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
 
 
 def check_model_parallel(world_size: int, tp: int, pp: int) -> int:

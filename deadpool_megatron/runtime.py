@@ -42,26 +42,44 @@ class ProcessEnv:
     under_launcher: bool
     fault_scope: str = "local"
     progress_file: str | None = None
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt
+    hosts_store: bool = False  # this process hosts the store at MASTER_PORT (see `from_environ`)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> ProcessEnv:
         env = os.environ if environ is None else environ
         port = env.get("MASTER_PORT")
         spare = env.get(ENV_SPARE_INDEX)
+        rank = int(env.get("RANK", "0"))
+        restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        job = env.get(ENV_JOB_ID)
+        if job is None and "TORCHELASTIC_RUN_ID" in env:
+            # Under torchrun the store outlives a restart: each attempt's process groups meet
+            # under a prefix of their own, never at a dead attempt's addresses.
+            job = f"torchrun-{env['TORCHELASTIC_RUN_ID']}-attempt{restarts}"
+        # torchrun hosts the store in its agent unless told not to share it; then rank 0 hosts
+        # it, as torch's own env:// rendezvous does.
+        hosts = (
+            "TORCHELASTIC_RUN_ID" in env
+            and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            and rank == 0
+        )
         return cls(
             role=env.get(ENV_ROLE, ROLE_WORKER),
-            rank=int(env.get("RANK", "0")),
+            rank=rank,
             world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=int(env.get("LOCAL_RANK", "0")),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(port) if port else None,
             spare_index=int(spare) if spare is not None else None,
-            job_id=env.get(ENV_JOB_ID, "local"),
+            job_id=job or "local",
             preflight=env.get(ENV_PREFLIGHT) == "1",
             under_launcher=ENV_ROLE in env,
             fault_scope=env.get(ENV_FAULT_SCOPE, env.get(ENV_JOB_ID, "local")),
             progress_file=env.get(ENV_PROGRESS_FILE),
+            restart_count=restarts,
+            hosts_store=hosts,
         )
 
 

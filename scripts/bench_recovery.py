@@ -1,21 +1,22 @@
 #!/usr/bin/env python
 """Time lost per failure: hot-swap versus checkpoint-restart, same job, same failure, one run.
 
-For each model size, four jobs run back to back on this machine: hot-swap (--deadpool, one
-spare) without and with a failure, and checkpoint-restart (`deadpool-launch --restart-policy
-full`, persistent checkpoints every --save-interval iterations) without and with the same
-failure: the same rank killed in the same iteration. A run's unexplained time is its span
-(first iteration's finish to last iteration's finish) minus the durations of the iterations
-that count (each iteration's last run); time lost per failure = the failure run's unexplained
-time minus its failure-free twin's. Measured within each run, it does not depend on how fast
-this shared machine computed in either (a plain difference of spans swings by seconds), and
-each strategy's failure-free costs (snapshots, periodic saves) are not counted as failure
-losses; the event logs break
-it down (detect; stop + plan, rebuild communicators, rebuild model, transfer state, verify, first
-iteration, for hot-swap; restart processes, load, replay for checkpoint-restart). Writes JSON
-and a PNG; the last line printed is one JSON object:
-{"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "hotswap_recovery_s",
- "hotswap_growth_over_sizes", ...}.
+For each model size, six jobs run back to back on this machine, each strategy without and
+with the same failure (the same rank killed in the same iteration): hot-swap (--deadpool, one
+spare); checkpoint-restart by our launcher (`deadpool-launch --restart-policy full`); and the
+restart path users know, `torchrun --max-restarts 1` with --load and --save (both restarts
+write persistent checkpoints every --save-interval iterations). A run's unexplained time is
+its span (first iteration's finish to last iteration's finish) minus the durations of the
+iterations that count (each iteration's last run); time lost per failure = the failure run's
+unexplained time minus its failure-free twin's. Measured within each run, it does not depend
+on how fast this shared machine computed in either (a plain difference of spans swings by
+seconds), and each strategy's failure-free costs (snapshots, periodic saves) are not counted
+as failure losses; the event logs break it down (detect; stop + plan, rebuild communicators,
+rebuild model, transfer state, verify, first iteration, for hot-swap; restart processes,
+load, replay for the restarts; torchrun's agent logs no detection, so its restart includes
+it). Writes JSON and a PNG; the last line printed is one JSON object:
+{"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "torchrun_lost_s", "ratio_torchrun",
+ "hotswap_recovery_s", "hotswap_growth_over_sizes", ...}.
 
     python scripts/bench_recovery.py                      # demo shape TP2xPP2xDP2, 3 sizes
     python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 64 --iters 30 --fail-at 25 \\
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 from deadpool_megatron.events import read_events  # noqa: E402
 
+MODES = ("hotswap_free", "hotswap_failure", "ckpt_free", "ckpt_failure", "torchrun_free",
+         "torchrun_failure")  # fmt: skip
 HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
                   "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
 
@@ -99,10 +103,15 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         launcher += ["--restart-policy", "full"]
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", *launcher,
            str(ROOT / "pretrain_gpt.py"), *job]  # fmt: skip
+    if strategy == "torchrun":  # every process restarted by torchrun, --load from the start
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(a.nproc), "--max-restarts", "1",
+               str(ROOT / "pretrain_gpt.py"), *job, "--load", str(workdir / "ckpt")]  # fmt: skip
     start = time.time()
     if not (a.reuse and metrics.exists()):
         metrics.unlink(missing_ok=True)
         events.unlink(missing_ok=True)
+        shutil.rmtree(workdir / "ckpt", ignore_errors=True)  # torchrun --load's it from the start
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         (workdir / "job.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
@@ -134,8 +143,10 @@ def breakdown_hotswap(events: list[dict], iter_s: float) -> dict:
 
 
 def breakdown_restart(events: list[dict], iter_s: float, fail_at: int) -> dict:
+    """Checkpoint-restart's phases; under torchrun, whose agent logs no detection, detection
+    is counted in restart_processes (failure to the restarted processes' load)."""
     injected = next(e for e in events if e["event"] == "fault_injected")["time"]
-    detected = next(e for e in events if e["event"] == "failure_detected")["time"]
+    detected = next((e["time"] for e in events if e["event"] == "failure_detected"), injected)
     loaded = next(e for e in events if e["event"] == "checkpoint_loaded")
     return {
         "detect": detected - injected,
@@ -158,17 +169,16 @@ def plot(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels, hs, cr = [], [], []
-    for r in results:
-        labels.append(f"h={r['hidden_size']}\n{r['parameters'] / 1e6:.2f}M params")
-        hs.append(r["hotswap"]["lost_s"])
-        cr.append(r["ckpt_restart"]["lost_s"])
+    labels = [f"h={r['hidden_size']}\n{r['parameters'] / 1e6:.2f}M params" for r in results]
+    bars = (("torchrun", "torchrun --max-restarts", -0.27), ("ckpt_restart",
+            "checkpoint-restart (deadpool-launch)", 0.0), ("hotswap", "DeadPool hot-swap", 0.27))  # fmt: skip
     x = range(len(results))
-    ax.bar([i - 0.2 for i in x], cr, width=0.4, label="checkpoint-restart")
-    ax.bar([i + 0.2 for i in x], hs, width=0.4, label="DeadPool hot-swap")
-    for i in x:
-        ax.annotate(f"{cr[i]:.1f} s", (i - 0.2, cr[i]), ha="center", va="bottom", fontsize=8)
-        ax.annotate(f"{hs[i]:.2f} s", (i + 0.2, hs[i]), ha="center", va="bottom", fontsize=8)
+    for key, label, dx in bars:
+        lost = [r[key]["lost_s"] for r in results]
+        ax.bar([i + dx for i in x], lost, width=0.27, label=label)
+        for i in x:
+            ax.annotate(f"{lost[i]:.1f} s" if key != "hotswap" else f"{lost[i]:.2f} s",
+                        (i + dx, lost[i]), ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("time lost per failure (s)")
     ax.set_title("One killed rank, same job, same failure point (CPU, gloo)")
@@ -183,8 +193,7 @@ def main(argv=None) -> int:
     work = out.parent / "bench_recovery"
     results = []
     for hidden in a.sizes:
-        runs = {m: run(a, hidden, m, work / f"h{hidden}" / m)
-                for m in ("hotswap_free", "hotswap_failure", "ckpt_free", "ckpt_failure")}  # fmt: skip
+        runs = {m: run(a, hidden, m, work / f"h{hidden}" / m) for m in MODES}
         iter_s = runs["hotswap_free"]["iteration_s"]
         digest = runs["hotswap_free"]["digest"]
         r = {"hidden_size": hidden, "parameters": params_of(hidden, a.num_layers),
@@ -192,7 +201,12 @@ def main(argv=None) -> int:
              "bitwise_equal": {m: run_["digest"] == digest for m, run_ in runs.items()}}  # fmt: skip
         r["hotswap"] = breakdown_hotswap(runs["hotswap_failure"]["events"], iter_s)
         r["ckpt_restart"] = breakdown_restart(runs["ckpt_failure"]["events"], iter_s, a.fail_at)
-        for key, mode in (("hotswap", "hotswap"), ("ckpt_restart", "ckpt")):
+        r["torchrun"] = breakdown_restart(runs["torchrun_failure"]["events"], iter_s, a.fail_at)
+        for key, mode in (
+            ("hotswap", "hotswap"),
+            ("ckpt_restart", "ckpt"),
+            ("torchrun", "torchrun"),
+        ):
             failed, free = runs[f"{mode}_failure"], runs[f"{mode}_free"]
             r[key]["lost_s"] = failed["unexplained_s"] - free["unexplained_s"]
             r[key]["span_difference_s"] = failed["span_s"] - free["span_s"]  # noisier
@@ -204,7 +218,10 @@ def main(argv=None) -> int:
             + ", ".join(f"{k} {r['hotswap'][k]:.3f}" for k in HOTSWAP_PHASES)
             + f"), checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
             f"{r['ckpt_restart']['detect']:.3f}, restart {r['ckpt_restart']['restart_processes']:.2f}"
-            f", load {r['ckpt_restart']['load']:.2f}, replay {r['ckpt_restart']['replay']:.2f}); "
+            f", load {r['ckpt_restart']['load']:.2f}, replay {r['ckpt_restart']['replay']:.2f}), "
+            f"torchrun --max-restarts {r['torchrun']['lost_s']:.2f} s (restart "
+            f"{r['torchrun']['restart_processes']:.2f}, load {r['torchrun']['load']:.2f}, replay "
+            f"{r['torchrun']['replay']:.2f}); "
             f"bitwise equal to failure-free: {r['bitwise_equal']}",
             flush=True,
         )
@@ -213,6 +230,8 @@ def main(argv=None) -> int:
         "hotswap_lost_s": first["hotswap"]["lost_s"],
         "ckpt_restart_lost_s": first["ckpt_restart"]["lost_s"],
         "ratio": first["ckpt_restart"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
+        "torchrun_lost_s": first["torchrun"]["lost_s"],
+        "ratio_torchrun": first["torchrun"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
         "hotswap_recovery_s": first["hotswap"]["recovery_total_s"],
         "hotswap_growth_over_sizes": last["hotswap"]["recovery_total_s"]
         / first["hotswap"]["recovery_total_s"]

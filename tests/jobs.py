@@ -44,6 +44,15 @@ def launch_cmd(
     ]  # fmt: skip
 
 
+def torchrun_cmd(nproc: int, args: list[str], max_restarts: int) -> list[str]:
+    """The restart path users know: torchrun restarts every process after a failure."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+        str(ROOT / "pretrain_gpt.py"), *args,
+    ]  # fmt: skip
+
+
 def run_job(
     tmp_path: Path,
     nproc: int,
@@ -53,12 +62,16 @@ def run_job(
     launcher: list[str] | None = None,
     script: Path = ROOT / "pretrain_gpt.py",
     env: dict[str, str] | None = None,
+    torchrun_restarts: int | None = None,
 ) -> JobResult:
     """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file; `env`:
-    variables set for the launcher on top of this process's."""
+    variables set for the launcher on top of this process's; `torchrun_restarts`: launched
+    by torchrun with that many restarts instead of deadpool-launch."""
     metrics = tmp_path / f"{name}.jsonl"
+    argv = [*args, "--metrics-jsonl", str(metrics)]
     proc = subprocess.Popen(
-        launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares, launcher, script),
+        launch_cmd(nproc, argv, spares, launcher, script) if torchrun_restarts is None
+        else torchrun_cmd(nproc, argv, torchrun_restarts),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})},
     )  # fmt: skip

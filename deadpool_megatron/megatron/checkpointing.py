@@ -11,10 +11,16 @@ identically.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import inspect
 import logging
+import multiprocessing
 import os
+import signal
+import threading
 import time
+from multiprocessing.managers import SyncManager
 
 import torch
 import torch.distributed as dist
@@ -91,6 +97,28 @@ _MCORE_ASYNC = (
 )
 
 
+def _die_with_parent() -> None:
+    """In the Manager process: SIGKILL when the worker that started it dies (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _results_queue_that_dies_with_us() -> None:
+    """megatron-core's write-results queue lives in a spawned multiprocessing Manager that only
+    its finalizer stops: a worker killed outright (a failure, or torchrun stopping the others)
+    orphaned it for the rest of the job, some 270 MB and the worker's stdout with it (measured
+    under torchrun: one per restart, and the job's output pipe never closed). Created here,
+    first, with a Manager that the kernel kills with its worker. The kernel's signal follows
+    the thread that started it, so only from the main thread (the training loop's)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    main = threading.current_thread() is threading.main_thread()
+    if main and getattr(filesystem_async, "_results_queue", None) is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=_die_with_parent)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def save(
     cfg: JobConfig, state: TrainState, iteration: int, before_commit=None, async_queue=None
 ) -> str:
@@ -104,6 +132,7 @@ def save(
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
+    _results_queue_that_dies_with_us()
     # One writer per rank: on a CPU node every core already runs a rank.
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if is_cpu() else 2)
     sharded = _sharded_state_dict(state, iteration, is_loading=False)

@@ -24,13 +24,16 @@ from . import cpu_backend
 log = logging.getLogger(__name__)
 
 
-def connect_store(host: str, port: int, world_size: int, timeout_s: float = 300.0) -> dist.TCPStore:
-    """Client connection to the TCPStore the launcher hosts."""
+def connect_store(
+    host: str, port: int, world_size: int, timeout_s: float = 300.0, host_it: bool = False
+) -> dist.TCPStore:
+    """Client connection to the TCPStore the launcher (or torchrun's agent) hosts; with
+    `host_it`, this process hosts it (rank 0 under torchrun with an unshared store)."""
     return dist.TCPStore(
         host,
         port,
         world_size=None,
-        is_master=False,
+        is_master=host_it,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )

@@ -121,3 +121,15 @@ class Guard:
             self.health.stop()
         self.client.close()
         self.events.close()
+
+
+def restart_faults(cfg: JobConfig, env: ProcessEnv, events: EventLog) -> FaultInjector:
+    """--deadpool-inject for a process that no deadpool-launch watches (torchrun's restarts,
+    the baseline users would pick): each fault fires in the first attempt only (a restarted
+    attempt replays the failed iteration and must not fail again) and goes to the event log."""
+    return FaultInjector(
+        parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank,
+        lambda fault, at: events.emit(FAULT_INJECTED, at=at, fault=str(fault)),
+        claim=lambda fault: env.restart_count == 0,
+        slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
+    )  # fmt: skip

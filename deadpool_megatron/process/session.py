@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from ..failure.injector import FaultInjector
 from ..failure.progress import ProgressBoard
 from ..megatron.model import TrainState, train_state
 from ..megatron.training import LoopHooks
@@ -43,7 +44,8 @@ def serving(session: LoopHooks) -> Iterator[None]:
 
 class ProtectedLoop(LoopHooks):
     """DeadPool's side of one training loop. Without a guard (a plain process, or a bench)
-    nothing is reported or injected; without `protect` nothing is snapshotted."""
+    nothing is reported, and faults are injected only through `faults` (a process torchrun
+    restarts); without `protect` nothing is snapshotted."""
 
     def __init__(
         self,
@@ -52,12 +54,14 @@ class ProtectedLoop(LoopHooks):
         recovery: ProcessRecovery | None = None,
         protect: Protect | None = None,
         after_iteration: Callable[[object], None] | None = None,
+        faults: FaultInjector | None = None,
     ):
         self.progress = progress
         self.guard = guard
         self.recovery = recovery
         self.protect = protect  # None: no --deadpool, nothing to snapshot
         self._after_iteration = after_iteration  # a bench's or a test's own bookkeeping
+        self.faults = faults  # injected faults when no guard injects them
         self.position = None  # the loop: iteration, state, pipeline, attach/detach
 
     def bind(self, position) -> None:
@@ -76,7 +80,7 @@ class ProtectedLoop(LoopHooks):
         self.progress.mark(iteration, name)
         if self.guard is not None:
             self.guard.check_stop()  # a recovery was ordered: stop at this boundary
-            self.guard.inject(iteration, name)
+        self.inject(iteration, name)
 
     def after_step(self, iteration: int, loss) -> None:
         p = self.position
@@ -97,6 +101,8 @@ class ProtectedLoop(LoopHooks):
     def inject(self, iteration: int, name: str) -> None:
         if self.guard is not None:
             self.guard.inject(iteration, name)
+        elif self.faults is not None:
+            self.faults.fire(iteration, name)
 
     # -- shared by the loops -------------------------------------------------------------------
     def start(self, state: TrainState, iteration: int) -> None:

@@ -16,7 +16,7 @@ from ..config import JobConfig
 from ..control import keys
 from ..control.client import ControlClient, connect, control_ports
 from ..control.context import JobContext
-from ..events import CHECKPOINT_LOADED
+from ..events import CHECKPOINT_LOADED, EventLog
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
@@ -25,7 +25,7 @@ from ..megatron.training import Trainer
 from ..recovery.abort import CommunicatorAbort
 from ..recovery.stages import ProcessRecovery, RecoveryFailed
 from ..runtime import ProcessEnv, freeze_imports
-from .guard import Guard
+from .guard import Guard, restart_faults
 from .protection import build_pipeline
 from .session import ProtectedLoop
 from .watcher import OrderWatcher
@@ -59,7 +59,8 @@ def open_store(env: ProcessEnv, cfg: JobConfig) -> dist.Store:
                 "deadpool-launch (or set MASTER_ADDR/MASTER_PORT)"
             )
         return dist.HashStore()
-    return parallel.connect_store(env.master_addr, env.master_port, env.world_size)
+    return parallel.connect_store(env.master_addr, env.master_port, env.world_size,
+                                  host_it=env.hosts_store)  # fmt: skip
 
 
 def watch(
@@ -104,14 +105,17 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
     dpc = cfg.deadpool
     if takeover is not None or ((dpc.deadpool or dpc.deadpool_inject) and env.under_launcher):
         guard, recovery, watcher = watch(cfg, env, store, progress, takeover)
+    events = guard.events if guard is not None else EventLog(dpc.deadpool_event_log, env.rank)
+    faults = restart_faults(cfg, env, events) if guard is None and dpc.deadpool_inject else None
     session = ProtectedLoop(
-        progress, guard, recovery, partial(_protect, cfg, env, guard) if dpc.deadpool else None
-    )
+        progress, guard, recovery, partial(_protect, cfg, env, guard) if dpc.deadpool else None,
+        faults=faults,
+    )  # fmt: skip
     make_trainer = partial(_trainer, cfg, env, session)
     if takeover is not None:
         trainer = recovery.take_over(takeover.generation, make_trainer)
     else:
-        trainer = _start(cfg, env, store, make_trainer, guard)
+        trainer = _start(cfg, env, store, make_trainer, events)
     log.info(
         "ready to train %.1f s after process start (set-up %.1f s), from iteration %d",
         time.time() - psutil.Process().create_time(), time.perf_counter() - start,
@@ -170,7 +174,7 @@ def _protect(
     return build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send, guard.report)
 
 
-def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, guard: Guard | None) -> Trainer:
+def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, events: EventLog) -> Trainer:
     """Generation 0: process groups, model and optimizer, a checkpoint to resume from, and
     the protection pipeline with --deadpool."""
     prefix = keys.process_group_prefix(env.job_id, 0)
@@ -185,9 +189,8 @@ def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, guard: Guard | 
     if cfg.checkpoint.load:
         t = time.perf_counter()
         iteration = checkpointing.load(cfg, state)
-        if guard is not None and env.rank == 0:
-            guard.events.emit(CHECKPOINT_LOADED, iteration=iteration,
-                              load_s=time.perf_counter() - t)  # fmt: skip
+        if env.rank == 0 and iteration > 0:  # torchrun passes --load to the first attempt too
+            events.emit(CHECKPOINT_LOADED, iteration=iteration, load_s=time.perf_counter() - t)
     trainer = make_trainer(state, on_gpu, iteration)
     trainer.hooks.after_setup(state.model, state.optimizer, state.scheduler)  # protection starts
     return trainer

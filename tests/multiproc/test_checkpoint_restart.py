@@ -42,6 +42,22 @@ def test_kill_during_training_restarts_from_the_checkpoint_bitwise(tmp_path, bas
     assert loaded["iteration"] == 5  # replays 6 and 7, then goes on
 
 
+def test_under_torchrun_a_kill_restarts_from_the_checkpoint_bitwise(tmp_path, baseline):
+    """The restart path users know (the benchmarks' other baseline): torchrun restarts every
+    process; each attempt meets on a store prefix of its own and loads the newest checkpoint."""
+    log, ckpt = tmp_path / "events.jsonl", str(tmp_path / "ckpt")
+    args = [*SHAPE_PP2, "--save", ckpt, "--load", ckpt, "--save-interval", "5",
+            "--deadpool-inject", "kill@3:8", "--deadpool-event-log", str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, torchrun_restarts=1)
+    assert result.returncode == 0, result.output[-4000:]
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    events = read_events(str(log))
+    assert [e["fault"] for e in events if e["event"] == "fault_injected"] == ["kill@3:8:forward"]
+    (loaded,) = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert loaded["iteration"] == 5
+    assert result.executions[6] == [baseline.losses[6]] * 2  # replayed after the restart
+
+
 def test_kill_during_a_save_never_loads_the_incomplete_checkpoint(tmp_path, baseline):
     # Rank 2 dies after writing its shard of iteration 10, before the checkpoint is complete.
     result, events = _restart_run(tmp_path, "kill@2:10:save")

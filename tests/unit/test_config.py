@@ -80,6 +80,16 @@ def test_invalid_combinations_name_the_value(args, world, message):
     assert message in str(err.value)
 
 
+def test_load_may_name_the_save_directory_before_it_exists(tmp_path):
+    """Megatron's resume-if-present pattern (`--save DIR --load DIR`), as torchrun restarts use
+    it; a --load naming another missing directory stays an error."""
+    ckpt = str(tmp_path / "ckpt")
+    cfg = parse_job_args([*DEMO, "--save", ckpt, "--load", ckpt], 8)
+    assert cfg.checkpoint.load == ckpt
+    with pytest.raises(ConfigError, match="is not a directory"):
+        parse_job_args([*DEMO, "--save", ckpt, "--load", str(tmp_path / "other")], 8)
+
+
 def test_unknown_config_key_is_rejected(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("num-layerz: 4\n")

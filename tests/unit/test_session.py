@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 
 from deadpool_megatron import hooks
+from deadpool_megatron.config import JobConfig
+from deadpool_megatron.events import EventLog, read_events
+from deadpool_megatron.failure.injector import InjectedFault
 from deadpool_megatron.failure.progress import ProgressBoard
+from deadpool_megatron.process.guard import restart_faults
 from deadpool_megatron.process.session import ProtectedLoop, current, serving
+from deadpool_megatron.runtime import ProcessEnv
 
 
 class Calls(list):
@@ -113,3 +118,23 @@ def test_the_module_functions_reach_the_serving_session_only_while_it_serves():
     assert ("inject", 8, "forward") in calls and ("after_iteration", 4) in calls
     assert not any(c[1:] == (10, "forward") for c in calls if c[0] == "inject")
     assert current() is None
+
+
+def test_without_a_guard_faults_fire_through_the_injector_once_per_job(tmp_path):
+    """A process torchrun restarts: the fault fires in the first attempt only, and is logged."""
+    cfg = JobConfig()
+    cfg.deadpool.deadpool_inject = "raise@3:5:backward"
+    path = tmp_path / "events.jsonl"
+    for attempt, fires in (("0", True), ("1", False)):
+        torchrun = {"RANK": "3", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "r",
+                    "TORCHELASTIC_RESTART_COUNT": attempt}  # fmt: skip
+        faults = restart_faults(cfg, ProcessEnv.from_environ(torchrun), EventLog(str(path), 3))
+        session = ProtectedLoop(ProgressBoard(), faults=faults)
+        session.bind(FakeLoop())
+        session.phase(5, "forward")
+        if fires:
+            with pytest.raises(InjectedFault):
+                session.phase(5, "backward")
+        else:
+            session.phase(5, "backward")
+    assert [e["fault"] for e in read_events(str(path))] == ["raise@3:5:backward"]
