@@ -13,6 +13,8 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from ..megatron.gloo_ops import OpenWork
+
 
 class Transport(ABC):
     @abstractmethod
@@ -26,16 +28,18 @@ class Transport(ABC):
 
 class GlooTransport(Transport):
     """Point-to-point over gloo groups owned by the replication thread alone: one group per
-    peer (the two ranks of a ring edge), keyed by the peer's global rank."""
+    peer (the two ranks of a ring edge), keyed by the peer's global rank. A recovery's abort
+    ends the sends and receives still open (gloo does not always wake one whose peer died:
+    the thread and the edge's group would wait out the group's timeout)."""
 
     def __init__(self, groups: Mapping[int, dist.ProcessGroup]):
         self.groups = dict(groups)
 
     def isend(self, tensor: torch.Tensor, dst: int):
-        return dist.isend(tensor, dst=dst, group=self._group(dst))
+        return OpenWork(dist.isend(tensor, dst=dst, group=self._group(dst)))
 
     def irecv(self, tensor: torch.Tensor, src: int):
-        return dist.irecv(tensor, src=src, group=self._group(src))
+        return OpenWork(dist.irecv(tensor, src=src, group=self._group(src)))
 
     def _group(self, peer: int) -> dist.ProcessGroup:
         group = self.groups.get(peer)

@@ -36,7 +36,7 @@ _waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-
 # gloo marks a send or receive complete only once waited for, so one dropped unwaited would
 # otherwise stay here with its tensors.
 _open_lock = threading.Lock()
-_open: weakref.WeakSet[AbortableWork] = weakref.WeakSet()
+_open: weakref.WeakSet[OpenWork] = weakref.WeakSet()
 _TIME_OUT = datetime.timedelta(milliseconds=1)
 
 
@@ -86,12 +86,33 @@ def _check() -> None:
         raise AbortedByRecovery("communication aborted: a recovery was ordered")
 
 
-class AbortableWork:
-    def __init__(self, work: dist.Work, point_to_point: bool = False):
+class OpenWork:
+    """A send or receive that `abort_pending` ends while it is open, waited for directly: the
+    replication thread's (it has no recovery to join, only an abort to notice)."""
+
+    def __init__(self, work: dist.Work, end_at_abort: bool = True):
         self._work = work
-        if point_to_point:  # ended by `abort_pending` until waited for
+        if end_at_abort:
             with _open_lock:
                 _open.add(self)
+
+    def wait(self, timeout=None) -> bool:
+        return self._closed(self._work.wait() if timeout is None else self._work.wait(timeout))
+
+    def _closed(self, done: bool) -> bool:
+        with _open_lock:  # complete: nothing to end (a wait given up stays, for the abort)
+            _open.discard(self)
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
+class AbortableWork(OpenWork):
+    """The training loop's operations: waited for on a helper thread, given up at the abort."""
+
+    def __init__(self, work: dist.Work, point_to_point: bool = False):
+        super().__init__(work, end_at_abort=point_to_point)
 
     def wait(self, timeout=None) -> bool:
         _check()
@@ -108,12 +129,7 @@ class AbortableWork:
                 except RuntimeError:
                     _check()  # ended by `abort_pending`: say so, not "pair closure"
                     raise
-        with _open_lock:  # complete: nothing to end (a wait given up stays, for the abort)
-            _open.discard(self)
-        return done
-
-    def __getattr__(self, name: str):
-        return getattr(self._work, name)
+        return self._closed(done)
 
 
 def _collective(fn):

@@ -2,7 +2,7 @@
 matches, as a stage does when its peer died, waits for it through the interruptible view the
 training loop uses, and is aborted as a recovery would abort it. Prints what happened as JSON:
 whether the training thread gave up, whether the helper thread that waited on gloo's operation
-ended, and whether the group could be destroyed without waiting for its timeout.
+ended, whether a replication receive waited for directly ended, and whether the group could be destroyed without waiting for its timeout.
 
 usage: abort_p2p_driver.py RANK STORE_FILE
 """
@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from deadpool_megatron.checkpoint.transport import GlooTransport
 from deadpool_megatron.megatron import gloo_ops
 
 TIMEOUT = datetime.timedelta(seconds=120)  # the group's: what a wait gloo never woke waits for
@@ -31,12 +32,24 @@ def main(rank: int, store_file: str) -> None:
     store = dist.FileStore(store_file, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=TIMEOUT)
     if rank == 0:
+        dist.new_group([0, 1])  # every rank creates every group
         store.wait(["done"], TIMEOUT)  # posts nothing: rank 1's operations never complete
         print(json.dumps({"rank": 0}))
         return
     view = gloo_ops.distributed_view()
     recv, send = view.irecv(torch.zeros(4), 0), view.isend(torch.ones(1 << 20), 0)
+    ring = GlooTransport({0: dist.new_group([0, 1])})  # a ring edge, as the replicator's
     outcome: dict = {}
+
+    def replication() -> None:  # waits directly, as the replication thread does
+        try:
+            ring.irecv(torch.zeros(8, dtype=torch.uint8), 0).wait()
+            outcome["replication"] = "returned"
+        except RuntimeError:
+            outcome["replication"] = "ended"
+
+    replicating = threading.Thread(target=replication)
+    replicating.start()
 
     def training() -> None:
         try:
@@ -51,6 +64,7 @@ def main(rank: int, store_file: str) -> None:
     outcome["helpers_waiting"] = len(helpers())
     gloo_ops.abort_pending()  # what CommunicatorAbort.abort does first
     thread.join(10)
+    replicating.join(10)
     gloo_ops.reset()  # the next generation's groups are built
     deadline = time.monotonic() + 10
     while helpers() and time.monotonic() < deadline:
