@@ -121,7 +121,11 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     save: str | None = knob(None, "Directory to write persistent checkpoints to.")
-    load: str | None = knob(None, "Directory to resume from (the newest complete checkpoint).")
+    load: str | None = knob(
+        None,
+        "Directory to resume from (the newest complete checkpoint); may be the --save "
+        "directory before it exists (resume if present).",
+    )
     save_interval: int | None = knob(None, "Iterations between persistent checkpoints.")
     async_save: bool = knob(
         False,

@@ -8,12 +8,10 @@ interface). Ranks are global ranks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-
-from ..megatron.gloo_ops import OpenWork
 
 
 class Transport(ABC):
@@ -28,18 +26,24 @@ class Transport(ABC):
 
 class GlooTransport(Transport):
     """Point-to-point over gloo groups owned by the replication thread alone: one group per
-    peer (the two ranks of a ring edge), keyed by the peer's global rank. A recovery's abort
-    ends the sends and receives still open (gloo does not always wake one whose peer died:
-    the thread and the edge's group would wait out the group's timeout)."""
+    peer (the two ranks of a ring edge), keyed by the peer's global rank. Each send and receive
+    goes through `ended_at_abort` (the job passes `gloo_ops.OpenWork`), so that a recovery's
+    abort ends those still open: gloo does not always wake one whose peer died, and the thread
+    and the edge's group would wait out the group's timeout."""
 
-    def __init__(self, groups: Mapping[int, dist.ProcessGroup]):
+    def __init__(
+        self,
+        groups: Mapping[int, dist.ProcessGroup],
+        ended_at_abort: Callable[[dist.Work], object] = lambda work: work,
+    ):
         self.groups = dict(groups)
+        self._ended_at_abort = ended_at_abort  # registers a work with the abort (gloo_ops)
 
     def isend(self, tensor: torch.Tensor, dst: int):
-        return OpenWork(dist.isend(tensor, dst=dst, group=self._group(dst)))
+        return self._ended_at_abort(dist.isend(tensor, dst=dst, group=self._group(dst)))
 
     def irecv(self, tensor: torch.Tensor, src: int):
-        return OpenWork(dist.irecv(tensor, src=src, group=self._group(src)))
+        return self._ended_at_abort(dist.irecv(tensor, src=src, group=self._group(src)))
 
     def _group(self, peer: int) -> dist.ProcessGroup:
         group = self.groups.get(peer)

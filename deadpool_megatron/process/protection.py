@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.transport import GlooTransport
 from ..config import JobConfig
-from ..megatron import parallel
+from ..megatron import gloo_ops, parallel
 from ..megatron.exchange import all_gather_ints
 from ..megatron.fence import step_fence_installer
 from ..megatron.model import TrainState
@@ -52,7 +52,7 @@ def build_pipeline(
     predecessors = topo.ring_predecessors(rank, k)
     return ProtectionPipeline(
         rank_state,
-        GlooTransport(edges),
+        GlooTransport(edges, gloo_ops.OpenWork),
         successors=topo.ring_successors(rank, k),
         predecessors=predecessors,
         replica_nbytes={p: shard_sizes[p] for p in predecessors},

@@ -38,7 +38,7 @@ def main(rank: int, store_file: str) -> None:
         return
     view = gloo_ops.distributed_view()
     recv, send = view.irecv(torch.zeros(4), 0), view.isend(torch.ones(1 << 20), 0)
-    ring = GlooTransport({0: dist.new_group([0, 1])})  # a ring edge, as the replicator's
+    ring = GlooTransport({0: dist.new_group([0, 1])}, gloo_ops.OpenWork)  # as the replicator's
     outcome: dict = {}
 
     def replication() -> None:  # waits directly, as the replication thread does
