@@ -91,22 +91,20 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
            "--hidden-size", str(hidden), "--num-layers", str(a.num_layers),
            "--train-iters", str(a.iters), "--log-interval", "10",
            "--metrics-jsonl", str(metrics), "--deadpool-event-log", str(events)]  # fmt: skip
-    launcher = ["--nproc-per-node", str(a.nproc)]
     strategy, failure = mode.rsplit("_", 1)
     if failure == "failure":
         job += ["--deadpool-inject", f"kill@{a.victim}:{a.fail_at}"]
+    script = str(ROOT / "pretrain_gpt.py")
+    launch = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc)]
     if strategy == "hotswap":
-        job += ["--deadpool"]
-        launcher += ["--spares", "1"]
+        cmd = [*launch, "--spares", "1", script, *job, "--deadpool"]
     else:
         job += ["--save", str(workdir / "ckpt"), "--save-interval", str(a.save_interval)]
-        launcher += ["--restart-policy", "full"]
-    cmd = [sys.executable, "-m", "deadpool_megatron.launch", *launcher,
-           str(ROOT / "pretrain_gpt.py"), *job]  # fmt: skip
+        cmd = [*launch, "--restart-policy", "full", script, *job]
     if strategy == "torchrun":  # every process restarted by torchrun, --load from the start
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(a.nproc), "--max-restarts", "1",
-               str(ROOT / "pretrain_gpt.py"), *job, "--load", str(workdir / "ckpt")]  # fmt: skip
+               script, *job, "--load", str(workdir / "ckpt")]  # fmt: skip
     start = time.time()
     if not (a.reuse and metrics.exists()):
         metrics.unlink(missing_ok=True)

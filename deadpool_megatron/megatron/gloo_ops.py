@@ -31,7 +31,13 @@ COLLECTIVES = (
 )  # fmt: skip
 
 _aborted = threading.Event()
-_waiters = ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-wait")
+
+
+def _helper_threads() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-wait")
+
+
+_waiters = _helper_threads()
 # Sends and receives posted and not yet waited for to completion (see `_time_out`); weakly:
 # gloo marks a send or receive complete only once waited for, so one dropped unwaited would
 # otherwise stay here with its tensors.
@@ -73,10 +79,7 @@ def reset() -> None:
     gloo never woke) when that wait ends: kept, they would stay in the pool for good, one
     more each time a wait was left behind while a new one needed a thread."""
     global _waiters
-    old, _waiters = (
-        _waiters,
-        ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-wait"),
-    )
+    old, _waiters = _waiters, _helper_threads()
     old.shutdown(wait=False)
     _aborted.clear()
 
@@ -117,19 +120,16 @@ class AbortableWork(OpenWork):
     def wait(self, timeout=None) -> bool:
         _check()
         if timeout is not None:
-            done = self._work.wait(timeout)
-        else:
-            future = _waiters.submit(self._work.wait)
-            while True:
-                try:
-                    done = future.result(timeout=POLL_S)
-                    break
-                except TimeoutError:
-                    _check()
-                except RuntimeError:
-                    _check()  # ended by `abort_pending`: say so, not "pair closure"
-                    raise
-        return self._closed(done)
+            return super().wait(timeout)
+        future = _waiters.submit(self._work.wait)
+        while True:
+            try:
+                return self._closed(future.result(timeout=POLL_S))
+            except TimeoutError:
+                _check()
+            except RuntimeError:
+                _check()  # ended by `abort_pending`: say so, not "pair closure"
+                raise
 
 
 def _collective(fn):

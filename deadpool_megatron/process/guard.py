@@ -41,10 +41,7 @@ class Guard:
         self.client = client
         self.progress = progress
         self.events = EventLog(cfg.deadpool.deadpool_event_log, env.rank, lambda: ctx.generation)
-        self.injector = FaultInjector(
-            parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank, self._injected,
-            client.claim_fault, slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
-        )  # fmt: skip
+        self.injector = _injector(cfg, env, self._injected, client.claim_fault)
         self.health: HealthChecker | None = None  # started after warm-up, with the heartbeats
         self._report_lock = threading.Lock()
         self._reported_in: int | None = None  # the generation this process last reported in
@@ -127,9 +124,15 @@ def restart_faults(cfg: JobConfig, env: ProcessEnv, events: EventLog) -> FaultIn
     """--deadpool-inject for a process that no deadpool-launch watches (torchrun's restarts,
     the baseline users would pick): each fault fires in the first attempt only (a restarted
     attempt replays the failed iteration and must not fail again) and goes to the event log."""
-    return FaultInjector(
-        parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank,
-        lambda fault, at: events.emit(FAULT_INJECTED, at=at, fault=str(fault)),
+    return _injector(
+        cfg, env, lambda fault, at: events.emit(FAULT_INJECTED, at=at, fault=str(fault)),
         claim=lambda fault: env.restart_count == 0,
+    )  # fmt: skip
+
+
+def _injector(cfg: JobConfig, env: ProcessEnv, report, claim) -> FaultInjector:
+    """This rank's faults from --deadpool-inject; a slow@ phase lasts three heartbeat timeouts."""
+    return FaultInjector(
+        parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank, report, claim,
         slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
     )  # fmt: skip
