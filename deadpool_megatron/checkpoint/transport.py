@@ -34,16 +34,20 @@ class GlooTransport(Transport):
     def __init__(
         self,
         groups: Mapping[int, dist.ProcessGroup],
-        ended_at_abort: Callable[[dist.Work], object] = lambda work: work,
+        ended_at_abort: Callable[..., object] = lambda work, **_: work,
     ):
         self.groups = dict(groups)
         self._ended_at_abort = ended_at_abort  # registers a work with the abort (gloo_ops)
 
     def isend(self, tensor: torch.Tensor, dst: int):
-        return self._ended_at_abort(dist.isend(tensor, dst=dst, group=self._group(dst)))
+        group = self._group(dst)
+        work = dist.isend(tensor, dst=dst, group=group)
+        return self._ended_at_abort(work, op="replica send", group=group)
 
     def irecv(self, tensor: torch.Tensor, src: int):
-        return self._ended_at_abort(dist.irecv(tensor, src=src, group=self._group(src)))
+        group = self._group(src)
+        work = dist.irecv(tensor, src=src, group=group)
+        return self._ended_at_abort(work, op="replica receive", group=group)
 
     def _group(self, peer: int) -> dist.ProcessGroup:
         group = self.groups.get(peer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import inspect
 import threading
 import types
 import weakref
@@ -43,6 +44,10 @@ _waiters = _helper_threads()
 # otherwise stay here with its tensors.
 _open_lock = threading.Lock()
 _open: weakref.WeakSet[OpenWork] = weakref.WeakSet()
+# Every operation posted through here and not yet waited for to completion, and those the last
+# generation change left behind (`reset`): what a stuck old group still waits on (`waiting_on`).
+_posted: weakref.WeakSet[OpenWork] = weakref.WeakSet()
+_left: weakref.WeakSet[OpenWork] = weakref.WeakSet()
 _TIME_OUT = datetime.timedelta(milliseconds=1)
 
 
@@ -78,10 +83,21 @@ def reset() -> None:
     threads. The old set ends its idle threads now and any still waiting (on a collective
     gloo never woke) when that wait ends: kept, they would stay in the pool for good, one
     more each time a wait was left behind while a new one needed a thread."""
-    global _waiters
+    global _waiters, _left
     old, _waiters = _waiters, _helper_threads()
     old.shutdown(wait=False)
+    with _open_lock:
+        _left = weakref.WeakSet(w for w in _posted if not w.is_completed())
+        _posted.clear()
     _aborted.clear()
+
+
+def waiting_on(group_name: str) -> list[str]:
+    """The operations posted on group `group_name` still not complete (this generation's and
+    the last one left behind), as "op (group description)": what keeps its destructor waiting."""
+    with _open_lock:
+        works = list(_posted) + list(_left)
+    return sorted(w.label for w in works if w.group_name == group_name and not w.is_completed())
 
 
 def _check() -> None:
@@ -93,10 +109,13 @@ class OpenWork:
     """A send or receive that `abort_pending` ends while it is open, waited for directly: the
     replication thread's (it has no recovery to join, only an abort to notice)."""
 
-    def __init__(self, work: dist.Work, end_at_abort: bool = True):
+    def __init__(self, work: dist.Work, end_at_abort: bool = True, op: str = "", group=None):
         self._work = work
-        if end_at_abort:
-            with _open_lock:
+        self.group_name = getattr(group, "group_name", "")
+        self.label = f"{op or 'operation'} ({getattr(group, 'group_desc', 'default group')})"
+        with _open_lock:
+            _posted.add(self)
+            if end_at_abort:
                 _open.add(self)
 
     def wait(self, timeout=None) -> bool:
@@ -105,6 +124,8 @@ class OpenWork:
     def _closed(self, done: bool) -> bool:
         with _open_lock:  # complete: nothing to end (a wait given up stays, for the abort)
             _open.discard(self)
+            if done:
+                _posted.discard(self)
         return done
 
     def __getattr__(self, name: str):
@@ -114,14 +135,14 @@ class OpenWork:
 class AbortableWork(OpenWork):
     """The training loop's operations: waited for on a helper thread, given up at the abort."""
 
-    def __init__(self, work: dist.Work, point_to_point: bool = False):
-        super().__init__(work, end_at_abort=point_to_point)
+    def __init__(self, work: dist.Work, point_to_point: bool = False, op: str = "", group=None):
+        super().__init__(work, end_at_abort=point_to_point, op=op, group=group)
 
     def wait(self, timeout=None) -> bool:
         _check()
         if timeout is not None:
             return super().wait(timeout)
-        future = _waiters.submit(self._work.wait)
+        future = _waiters.submit(self._wait_on_helper)
         while True:
             try:
                 return self._closed(future.result(timeout=POLL_S))
@@ -131,6 +152,11 @@ class AbortableWork(OpenWork):
                 _check()  # ended by `abort_pending`: say so, not "pair closure"
                 raise
 
+    def _wait_on_helper(self) -> bool:
+        """The helper thread holds the wrapper while it waits: one the training thread gave up
+        stays known (`waiting_on`) for as long as gloo keeps it waiting."""
+        return self._work.wait()
+
 
 def _collective(fn):
     @functools.wraps(fn)
@@ -139,7 +165,7 @@ def _collective(fn):
         work = fn(*args, async_op=True, **kwargs)
         if work is None:  # this rank is not in the group
             return None
-        wrapped = AbortableWork(work)
+        wrapped = AbortableWork(work, op=fn.__name__, group=_group(fn, args, kwargs))
         if async_op:
             return wrapped
         wrapped.wait()
@@ -153,9 +179,24 @@ def _point_to_point(fn):
     def call(*args, **kwargs):
         _check()
         work = fn(*args, **kwargs)
-        return None if work is None else AbortableWork(work, point_to_point=True)
+        if work is None:
+            return None
+        return AbortableWork(work, True, op=fn.__name__, group=_group(fn, args, kwargs))
 
     return call
+
+
+def _group(fn, args: tuple, kwargs: dict):
+    """The group an operation was posted on (its `group` argument, or the default group)."""
+    at = _group_position(fn)
+    group = kwargs.get("group", args[at] if at is not None and at < len(args) else None)
+    return group if group is not None else dist.group.WORLD
+
+
+@functools.cache
+def _group_position(fn) -> int | None:
+    params = list(inspect.signature(fn).parameters)
+    return params.index("group") if "group" in params else None
 
 
 @functools.cache
@@ -175,7 +216,11 @@ def distributed_view() -> types.ModuleType:
 
     def batch_isend_irecv(ops: list) -> list:
         _check()
-        return [AbortableWork(work, point_to_point=True) for work in dist.batch_isend_irecv(ops)]
+        works = dist.batch_isend_irecv(ops)
+        return [
+            AbortableWork(work, True, op="batch_isend_irecv", group=ops[0].group if ops else None)
+            for work in works
+        ]
 
     view.P2POp = p2p_op
     view.batch_isend_irecv = batch_isend_irecv

@@ -154,7 +154,9 @@ def ring_pairs(topo: Topology, replicas: int) -> dict[int, dist.ProcessGroup]:
     )  # fmt: skip
     mine = {}
     for a, b in edges:
-        group = dist.new_group(ranks=[a, b], backend="gloo")
+        group = dist.new_group(
+            ranks=[a, b], backend="gloo", group_desc=f"DEADPOOL_RING_EDGE_{a}_{b}"
+        )
         if me in (a, b):
             mine[b if me == a else a] = group
     return mine

@@ -61,7 +61,7 @@ from ..control.wait import wait_until
 from ..errors import DeadpoolError
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
-from ..megatron import parallel
+from ..megatron import gloo_ops, parallel
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import live_groups, stale_groups
@@ -599,6 +599,7 @@ def release_groups(groups: list[object], slow_s: float = 1.0) -> int:
     stuck = 0
     while groups:
         name = getattr(groups[-1], "group_name", "?")
+        desc = getattr(groups[-1], "group_desc", "")
         holder = [groups.pop()]  # the closing thread drops the last reference
         closer = threading.Thread(target=holder.clear, name="deadpool-close", daemon=True)
         del holder
@@ -606,7 +607,8 @@ def release_groups(groups: list[object], slow_s: float = 1.0) -> int:
         closer.join(slow_s)
         if closer.is_alive():
             stuck += 1
-            log.warning("closing old process group %s waits for an operation gloo never woke "
-                        "(it closes at the group's timeout); closing the others meanwhile",
-                        name)  # fmt: skip
+            log.warning("closing old process group %s (%s) waits for an operation gloo never "
+                        "woke (%s; it closes at the group's timeout); closing the others "
+                        "meanwhile", name, desc,
+                        ", ".join(gloo_ops.waiting_on(name)) or "none posted here")  # fmt: skip
     return stuck

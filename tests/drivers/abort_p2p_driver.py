@@ -2,7 +2,8 @@
 matches, as a stage does when its peer died, waits for it through the interruptible view the
 training loop uses, and is aborted as a recovery would abort it. Prints what happened as JSON:
 whether the training thread gave up, whether the helper thread that waited on gloo's operation
-ended, whether a replication receive waited for directly ended, and whether the group could be destroyed without waiting for its timeout.
+ended, whether a replication receive waited for directly ended, what each group waits on before and
+after the abort (a collective is not ended: rank 0 joins it late), and whether the group could be destroyed without waiting for its timeout.
 
 usage: abort_p2p_driver.py RANK STORE_FILE
 """
@@ -33,13 +34,32 @@ def main(rank: int, store_file: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=TIMEOUT)
     if rank == 0:
         dist.new_group([0, 1])  # every rank creates every group
-        store.wait(["done"], TIMEOUT)  # posts nothing: rank 1's operations never complete
+        late = dist.new_group([0, 1], group_desc="LATE")
+        store.wait(["checked"], TIMEOUT)  # rank 1 asked what its groups still wait on
+        dist.all_reduce(torch.zeros(1), group=late)  # ends rank 1's left-behind collective
+        store.wait(["done"], TIMEOUT)  # posts nothing else: rank 1's operations never complete
         print(json.dumps({"rank": 0}))
         return
     view = gloo_ops.distributed_view()
     recv, send = view.irecv(torch.zeros(4), 0), view.isend(torch.ones(1 << 20), 0)
-    ring = GlooTransport({0: dist.new_group([0, 1])}, gloo_ops.OpenWork)  # as the replicator's
+    edge = dist.new_group([0, 1], group_desc="DEADPOOL_RING_EDGE_0_1")
+    ring = GlooTransport({0: edge}, gloo_ops.OpenWork)  # as the replicator's
+    late = dist.new_group([0, 1], group_desc="LATE")
     outcome: dict = {}
+
+    def waiting() -> dict:
+        return {g.group_desc: gloo_ops.waiting_on(g.group_name) for g in (world, edge, late)}
+
+    world = dist.group.WORLD
+
+    def collective() -> None:  # a collective the abort cannot end: rank 0 joins it later
+        try:
+            view.all_reduce(torch.ones(1), group=late)
+        except gloo_ops.AbortedByRecovery:
+            outcome["collective"] = "aborted"
+
+    collecting = threading.Thread(target=collective)
+    collecting.start()
 
     def replication() -> None:  # waits directly, as the replication thread does
         try:
@@ -62,10 +82,15 @@ def main(rank: int, store_file: str) -> None:
     thread.start()
     time.sleep(0.5)  # waiting on a helper thread by now
     outcome["helpers_waiting"] = len(helpers())
+    outcome["waiting_before"] = waiting()
     gloo_ops.abort_pending()  # what CommunicatorAbort.abort does first
     thread.join(10)
     replicating.join(10)
+    collecting.join(10)
     gloo_ops.reset()  # the next generation's groups are built
+    time.sleep(0.2)  # the ended operations' helper threads return
+    outcome["waiting_after"] = waiting()
+    store.set("checked", "1")
     deadline = time.monotonic() + 10
     while helpers() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -15,7 +15,19 @@ def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_p
     driver = ROOT / "tests" / "drivers" / "abort_p2p_driver.py"
     outs = run_drivers(driver, [[str(r), str(tmp_path / "store")] for r in range(2)], 150)
     out = outs[1]
-    assert out["helpers_waiting"] == 1 and out["training"] == "aborted"
+    assert out["helpers_waiting"] == 2 and out["training"] == "aborted"
+    assert out["collective"] == "aborted"  # the caller gave up; gloo's operation goes on
+    assert out["waiting_before"] == {
+        "default_pg": ["irecv (default_pg)", "isend (default_pg)"],
+        "DEADPOOL_RING_EDGE_0_1": ["replica receive (DEADPOOL_RING_EDGE_0_1)"],
+        "LATE": ["all_reduce (LATE)"],
+    }
+    # what an old group still waits on when it is closed: only the collective
+    assert out["waiting_after"] == {
+        "default_pg": [],
+        "DEADPOOL_RING_EDGE_0_1": [],
+        "LATE": ["all_reduce (LATE)"],
+    }
     assert out["helpers_left"] == 0  # the helper's wait on gloo ended, and with it the thread
     assert out["replication"] == "ended"  # the replication thread's receive, too
     assert out["destroyed"]  # the group's destructor found nothing pending
