@@ -5,7 +5,8 @@ For each model size, six jobs run back to back on this machine, each strategy wi
 with the same failure (the same rank killed in the same iteration): hot-swap (--deadpool, one
 spare); checkpoint-restart by our launcher (`deadpool-launch --restart-policy full`); and the
 restart path users know, `torchrun --max-restarts 1` with --load and --save (both restarts
-write persistent checkpoints every --save-interval iterations). A run's unexplained time is
+write persistent checkpoints every --save-interval iterations); and, when --ft-launcher names
+nvidia-resiliency-ext's `ft_launcher` (or one is on PATH), the same under it (two jobs more). A run's unexplained time is
 its span (first iteration's finish to last iteration's finish) minus the durations of the
 iterations that count (each iteration's last run); time lost per failure = the failure run's
 unexplained time minus its failure-free twin's. Measured within each run, it does not depend
@@ -16,7 +17,13 @@ rebuild model, transfer state, verify, first iteration, for hot-swap; restart pr
 load, replay for the restarts; torchrun's agent logs no detection, so its restart includes
 it). Writes JSON and a PNG; the last line printed is one JSON object:
 {"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "torchrun_lost_s", "ratio_torchrun",
- "hotswap_recovery_s", "hotswap_growth_over_sizes", ...}.
+ "nvrx_lost_s", "ratio_nvrx" (null without ft_launcher), "hotswap_recovery_s",
+ "hotswap_growth_over_sizes", ...}.
+
+nvidia-resiliency-ext's launcher runs from an environment of its own (it only launches: the
+workers run this interpreter, through --no-python), e.g.
+    python -m venv runs/nvrx && runs/nvrx/bin/pip install torch==2.13.0 nvidia-resiliency-ext
+    python scripts/bench_recovery.py --ft-launcher runs/nvrx/bin/ft_launcher
 
     python scripts/bench_recovery.py                      # demo shape TP2xPP2xDP2, 3 sizes
     python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 64 --iters 30 --fail-at 25 \\
@@ -41,6 +48,8 @@ from deadpool_megatron.events import read_events  # noqa: E402
 
 MODES = ("hotswap_free", "hotswap_failure", "ckpt_free", "ckpt_failure", "torchrun_free",
          "torchrun_failure")  # fmt: skip
+NVRX_MODES = ("nvrx_free", "nvrx_failure")  # nvidia-resiliency-ext's ft_launcher, when given
+RESTARTS = (("ckpt_restart", "ckpt"), ("torchrun", "torchrun"), ("nvrx", "nvrx"))
 HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
                   "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
 
@@ -70,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=50,
         help="checkpoint-restart's save interval (default 50)",
     )
+    p.add_argument(
+        "--ft-launcher",
+        default=shutil.which("ft_launcher"),
+        help="nvidia-resiliency-ext's ft_launcher, run as a third restart baseline (default: the "
+        "one on PATH; none: skipped)",
+    )
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery.json"))
     p.add_argument("--reuse", action="store_true",
                    help="re-analyse the jobs a previous run left in its work folder")  # fmt: skip
@@ -79,6 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fail-at {a.fail_at} must lie in [2, --iters {a.iters}]")
     if not 0 <= a.victim < a.nproc:
         p.error(f"--victim {a.victim} must be a rank in [0, {a.nproc - 1}]")
+    if a.ft_launcher and not shutil.which(a.ft_launcher):
+        p.error(f"--ft-launcher {a.ft_launcher} is not an executable (nvidia-resiliency-ext's "
+                "ft_launcher, e.g. runs/nvrx/bin/ft_launcher)")  # fmt: skip
     return a
 
 
@@ -101,10 +119,13 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
     else:
         job += ["--save", str(workdir / "ckpt"), "--save-interval", str(a.save_interval)]
         cmd = [*launch, "--restart-policy", "full", script, *job]
+    restart = ["--standalone", "--nproc-per-node", str(a.nproc), "--max-restarts", "1"]
     if strategy == "torchrun":  # every process restarted by torchrun, --load from the start
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(a.nproc), "--max-restarts", "1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", *restart,
                script, *job, "--load", str(workdir / "ckpt")]  # fmt: skip
+    elif strategy == "nvrx":  # the same under nvidia-resiliency-ext's launcher
+        cmd = [a.ft_launcher, *restart, "--no-python",
+               sys.executable, script, *job, "--load", str(workdir / "ckpt")]  # fmt: skip
     start = time.time()
     if not (a.reuse and metrics.exists()):
         metrics.unlink(missing_ok=True)
@@ -168,12 +189,16 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [f"h={r['hidden_size']}\n{r['parameters'] / 1e6:.2f}M params" for r in results]
-    bars = (("torchrun", "torchrun --max-restarts", -0.27), ("ckpt_restart",
-            "checkpoint-restart (deadpool-launch)", 0.0), ("hotswap", "DeadPool hot-swap", 0.27))  # fmt: skip
+    bars = [("torchrun", "torchrun --max-restarts"), ("ckpt_restart",
+            "checkpoint-restart (deadpool-launch)"), ("hotswap", "DeadPool hot-swap")]  # fmt: skip
+    if "nvrx" in results[0]:
+        bars.insert(1, ("nvrx", "nvidia-resiliency-ext ft_launcher"))
+    width = 0.8 / len(bars)
     x = range(len(results))
-    for key, label, dx in bars:
+    for n, (key, label) in enumerate(bars):
+        dx = (n - (len(bars) - 1) / 2) * width
         lost = [r[key]["lost_s"] for r in results]
-        ax.bar([i + dx for i in x], lost, width=0.27, label=label)
+        ax.bar([i + dx for i in x], lost, width=width, label=label)
         for i in x:
             ax.annotate(f"{lost[i]:.1f} s" if key != "hotswap" else f"{lost[i]:.2f} s",
                         (i + dx, lost[i]), ha="center", va="bottom", fontsize=8)  # fmt: skip
@@ -190,21 +215,22 @@ def main(argv=None) -> int:
     out = Path(a.out)
     work = out.parent / "bench_recovery"
     results = []
+    modes = MODES + (NVRX_MODES if a.ft_launcher else ())
+    if not a.ft_launcher:
+        print("nvidia-resiliency-ext's ft_launcher not found: its baseline is skipped "
+              "(--ft-launcher PATH)", flush=True)  # fmt: skip
     for hidden in a.sizes:
-        runs = {m: run(a, hidden, m, work / f"h{hidden}" / m) for m in MODES}
+        runs = {m: run(a, hidden, m, work / f"h{hidden}" / m) for m in modes}
         iter_s = runs["hotswap_free"]["iteration_s"]
         digest = runs["hotswap_free"]["digest"]
         r = {"hidden_size": hidden, "parameters": params_of(hidden, a.num_layers),
              "iteration_s": iter_s,
              "bitwise_equal": {m: run_["digest"] == digest for m, run_ in runs.items()}}  # fmt: skip
         r["hotswap"] = breakdown_hotswap(runs["hotswap_failure"]["events"], iter_s)
-        r["ckpt_restart"] = breakdown_restart(runs["ckpt_failure"]["events"], iter_s, a.fail_at)
-        r["torchrun"] = breakdown_restart(runs["torchrun_failure"]["events"], iter_s, a.fail_at)
-        for key, mode in (
-            ("hotswap", "hotswap"),
-            ("ckpt_restart", "ckpt"),
-            ("torchrun", "torchrun"),
-        ):
+        restarts = [(key, mode) for key, mode in RESTARTS if f"{mode}_failure" in runs]
+        for key, mode in restarts:
+            r[key] = breakdown_restart(runs[f"{mode}_failure"]["events"], iter_s, a.fail_at)
+        for key, mode in [("hotswap", "hotswap"), *restarts]:
             failed, free = runs[f"{mode}_failure"], runs[f"{mode}_free"]
             r[key]["lost_s"] = failed["unexplained_s"] - free["unexplained_s"]
             r[key]["span_difference_s"] = failed["span_s"] - free["span_s"]  # noisier
@@ -230,6 +256,10 @@ def main(argv=None) -> int:
         "ratio": first["ckpt_restart"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
         "torchrun_lost_s": first["torchrun"]["lost_s"],
         "ratio_torchrun": first["torchrun"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
+        "nvrx_lost_s": first["nvrx"]["lost_s"] if "nvrx" in first else None,
+        "ratio_nvrx": first["nvrx"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9)
+        if "nvrx" in first
+        else None,
         "hotswap_recovery_s": first["hotswap"]["recovery_total_s"],
         "hotswap_growth_over_sizes": last["hotswap"]["recovery_total_s"]
         / first["hotswap"]["recovery_total_s"]
