@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import functools
 import inspect
+import sys
 import threading
 import types
 import weakref
@@ -93,11 +94,17 @@ def reset() -> None:
 
 
 def waiting_on(group_name: str) -> list[str]:
-    """The operations posted on group `group_name` still not complete (this generation's and
-    the last one left behind), as "op (group description)": what keeps its destructor waiting."""
+    """The operations posted on group `group_name` still not complete, as "op (group
+    description) from caller < its caller": what keeps its destructor waiting. Those posted
+    since the last generation change are marked "posted in this generation" (on an old group:
+    a stale reference the new generation used)."""
     with _open_lock:
-        works = list(_posted) + list(_left)
-    return sorted(w.label for w in works if w.group_name == group_name and not w.is_completed())
+        works = [(w, "") for w in _left] + [(w, ", posted in this generation") for w in _posted]
+    return sorted(
+        f"{w.label}{since}"
+        for w, since in works
+        if w.group_name == group_name and not w.is_completed()
+    )
 
 
 def _check() -> None:
@@ -109,10 +116,13 @@ class OpenWork:
     """A send or receive that `abort_pending` ends while it is open, waited for directly: the
     replication thread's (it has no recovery to join, only an abort to notice)."""
 
-    def __init__(self, work: dist.Work, end_at_abort: bool = True, op: str = "", group=None):
+    def __init__(
+        self, work: dist.Work, end_at_abort: bool = True, op: str = "", group=None, caller=""
+    ):
         self._work = work
         self.group_name = getattr(group, "group_name", "")
-        self.label = f"{op or 'operation'} ({getattr(group, 'group_desc', 'default group')})"
+        desc = getattr(group, "group_desc", "default group")
+        self.label = f"{op or 'operation'} ({desc})" + (f" from {caller}" if caller else "")
         with _open_lock:
             _posted.add(self)
             if end_at_abort:
@@ -135,8 +145,10 @@ class OpenWork:
 class AbortableWork(OpenWork):
     """The training loop's operations: waited for on a helper thread, given up at the abort."""
 
-    def __init__(self, work: dist.Work, point_to_point: bool = False, op: str = "", group=None):
-        super().__init__(work, end_at_abort=point_to_point, op=op, group=group)
+    def __init__(
+        self, work: dist.Work, point_to_point: bool = False, op: str = "", group=None, caller=""
+    ):
+        super().__init__(work, point_to_point, op, group, caller)
 
     def wait(self, timeout=None) -> bool:
         _check()
@@ -165,7 +177,7 @@ def _collective(fn):
         work = fn(*args, async_op=True, **kwargs)
         if work is None:  # this rank is not in the group
             return None
-        wrapped = AbortableWork(work, op=fn.__name__, group=_group(fn, args, kwargs))
+        wrapped = AbortableWork(work, False, fn.__name__, _group(fn, args, kwargs), _caller())
         if async_op:
             return wrapped
         wrapped.wait()
@@ -181,9 +193,20 @@ def _point_to_point(fn):
         work = fn(*args, **kwargs)
         if work is None:
             return None
-        return AbortableWork(work, True, op=fn.__name__, group=_group(fn, args, kwargs))
+        return AbortableWork(work, True, fn.__name__, _group(fn, args, kwargs), _caller())
 
     return call
+
+
+def _caller() -> str:
+    """Who posted an operation: the two functions above the view's wrapper (a frame lookup
+    costs about a microsecond; a stack summary would cost tens per collective)."""
+    frame = sys._getframe(2)
+    names = []
+    while frame is not None and len(names) < 2:
+        names.append(f"{frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(names)
 
 
 def _group(fn, args: tuple, kwargs: dict):

@@ -18,15 +18,18 @@ def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_p
     assert out["helpers_waiting"] == 2 and out["training"] == "aborted"
     assert out["collective"] == "aborted"  # the caller gave up; gloo's operation goes on
     assert out["waiting_before"] == {
-        "default_pg": ["irecv (default_pg)", "isend (default_pg)"],
-        "DEADPOOL_RING_EDGE_0_1": ["replica receive (DEADPOOL_RING_EDGE_0_1)"],
-        "LATE": ["all_reduce (LATE)"],
-    }
-    # what an old group still waits on when it is closed: only the collective
+        "default_pg": ["irecv (default_pg) from main < <module>, posted in this generation",
+                       "isend (default_pg) from main < <module>, posted in this generation"],
+        "DEADPOOL_RING_EDGE_0_1": ["replica receive (DEADPOOL_RING_EDGE_0_1), posted in this "
+                                   "generation"],
+        "LATE": ["all_reduce (LATE) from collective < run, posted in this generation"],
+    }  # fmt: skip
+    # what an old group still waits on when it is closed: only the collective, posted in the
+    # generation before (none since)
     assert out["waiting_after"] == {
         "default_pg": [],
         "DEADPOOL_RING_EDGE_0_1": [],
-        "LATE": ["all_reduce (LATE)"],
+        "LATE": ["all_reduce (LATE) from collective < run"],
     }
     assert out["helpers_left"] == 0  # the helper's wait on gloo ended, and with it the thread
     assert out["replication"] == "ended"  # the replication thread's receive, too
