@@ -1,21 +1,23 @@
 #!/usr/bin/env python
 """Time lost per failure: hot-swap versus checkpoint-restart, same job, same failure, one run.
 
-For each model size, six jobs run back to back on this machine, each strategy without and
-with the same failure (the same rank killed in the same iteration): hot-swap (--deadpool, one
-spare); checkpoint-restart by our launcher (`deadpool-launch --restart-policy full`); and the
-restart path users know, `torchrun --max-restarts 1` with --load and --save (the restarts
-write persistent checkpoints every --save-interval iterations); and, when --ft-launcher names
-nvidia-resiliency-ext's `ft_launcher` (or one is on PATH), the same under it (two jobs more).
-A run's unexplained time is its span (first iteration's finish to last iteration's finish)
-minus the durations of the iterations that count (each iteration's last run); time lost per
-failure = the failure run's unexplained time minus its failure-free twin's. Measured within
-each run, it does not depend on how fast this shared machine computed in either (a plain
-difference of spans swings by seconds), and each strategy's failure-free costs (snapshots,
-periodic saves) are not counted as failure losses; the event logs break it down (detect; stop + plan, rebuild communicators,
-rebuild model, transfer state, verify, first iteration, for hot-swap; restart processes,
-load, replay for the restarts; torchrun's and ft_launcher's agents log no detection, so their
-restart includes it). Writes JSON and a PNG; the last line printed is one JSON object:
+For each model size, six or eight jobs run back to back on this machine, each strategy
+without and with the same failure (the same rank killed in the same iteration): hot-swap
+(--deadpool, one spare); checkpoint-restart by our launcher (`deadpool-launch
+--restart-policy full`); and the restart path users know, `torchrun --max-restarts 1` with
+--load and --save (the restarts write persistent checkpoints every --save-interval
+iterations); and, when --ft-launcher names nvidia-resiliency-ext's `ft_launcher` (or one is
+on PATH), the same under it (two jobs more). A run's unexplained time is its span (first
+iteration's finish to last iteration's finish) minus the durations of the iterations that
+count (each iteration's last run); time lost per failure = the failure run's unexplained
+time minus its failure-free twin's. Measured within each run, it does not depend on how
+fast this shared machine computed in either (a plain difference of spans swings by
+seconds), and each strategy's failure-free costs (snapshots, periodic saves) are not
+counted as failure losses; the event logs break it down (detect; stop + plan, rebuild
+communicators, rebuild model, transfer state, verify, first iteration, for hot-swap;
+restart processes, load, replay for the restarts; torchrun's and ft_launcher's agents log
+no detection, so their restart includes it). Writes JSON and a PNG; the last line printed
+is one JSON object:
 {"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "torchrun_lost_s", "ratio_torchrun",
  "nvrx_lost_s", "ratio_nvrx" (null without ft_launcher), "hotswap_recovery_s",
  "hotswap_growth_over_sizes", ...}.
