@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import functools
 import inspect
+import logging
 import sys
 import threading
 import types
@@ -32,6 +33,7 @@ COLLECTIVES = (
     "all_to_all_single", "gather", "scatter",
 )  # fmt: skip
 
+log = logging.getLogger("deadpool.recovery")
 _aborted = threading.Event()
 
 
@@ -91,6 +93,9 @@ def reset() -> None:
         _left = weakref.WeakSet(w for w in _posted if not w.is_completed())
         _posted.clear()
     _aborted.clear()
+    if _left:  # each keeps its group's connections and threads until gloo's timeout
+        log.warning("%d operation(s) of the last generation still pending: %s", len(_left),
+                    ", ".join(sorted(w.label for w in _left)))  # fmt: skip
 
 
 def waiting_on(group_name: str) -> list[str]:
@@ -125,8 +130,11 @@ class OpenWork:
         self.label = f"{op or 'operation'} ({desc})" + (f" from {caller}" if caller else "")
         with _open_lock:
             _posted.add(self)
-            if end_at_abort:
+            late = end_at_abort and _aborted.is_set()
+            if end_at_abort and not late:
                 _open.add(self)
+        if late:  # posted after the abort (the replication thread does not check): end it now
+            _time_out(work)
 
     def wait(self, timeout=None) -> bool:
         return self._closed(self._work.wait() if timeout is None else self._work.wait(timeout))

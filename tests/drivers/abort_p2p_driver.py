@@ -1,9 +1,10 @@
-"""One of two processes: rank 1 posts a pipeline receive (and a send) that rank 0 never
-matches, as a stage does when its peer died, waits for it through the interruptible view the
-training loop uses, and is aborted as a recovery would abort it. Prints what happened as JSON:
-whether the training thread gave up, whether the helper thread that waited on gloo's operation
-ended, whether a replication receive waited for directly ended, what each group waits on before and
-after the abort (a collective is not ended: rank 0 joins it late), and whether the group could be destroyed without waiting for its timeout.
+"""One of two processes: rank 1 posts a pipeline receive (and a send) that rank 0 never matches,
+as a stage does when its peer died, waits for it through the interruptible view the training
+loop uses, and is aborted as a recovery would abort it. Prints what happened as JSON: whether
+the training thread gave up, whether the helper thread that waited on gloo's operation ended,
+whether a replication receive waited for directly ended (and one posted after the abort), what
+each group waits on before and after the abort (a collective is not ended: rank 0 joins it
+late), and whether the group could be destroyed without waiting for its timeout.
 
 usage: abort_p2p_driver.py RANK STORE_FILE
 """
@@ -35,6 +36,7 @@ def main(rank: int, store_file: str) -> None:
     if rank == 0:
         dist.new_group([0, 1])  # every rank creates every group
         late = dist.new_group([0, 1], group_desc="LATE")
+        dist.new_group([0, 1])
         store.wait(["checked"], TIMEOUT)  # rank 1 asked what its groups still wait on
         dist.all_reduce(torch.zeros(1), group=late)  # ends rank 1's left-behind collective
         store.wait(["done"], TIMEOUT)  # posts nothing else: rank 1's operations never complete
@@ -45,6 +47,8 @@ def main(rank: int, store_file: str) -> None:
     edge = dist.new_group([0, 1], group_desc="DEADPOOL_RING_EDGE_0_1")
     ring = GlooTransport({0: edge}, gloo_ops.OpenWork)  # as the replicator's
     late = dist.new_group([0, 1], group_desc="LATE")
+    # an edge nothing timed out yet (its connection open): what the thread posts after the abort
+    fresh = GlooTransport({0: dist.new_group([0, 1])}, gloo_ops.OpenWork)
     outcome: dict = {}
 
     def waiting() -> dict:
@@ -61,12 +65,12 @@ def main(rank: int, store_file: str) -> None:
     collecting = threading.Thread(target=collective)
     collecting.start()
 
-    def replication() -> None:  # waits directly, as the replication thread does
+    def replication(key: str = "replication", on=ring) -> None:  # waits as that thread does
         try:
-            ring.irecv(torch.zeros(8, dtype=torch.uint8), 0).wait()
-            outcome["replication"] = "returned"
+            on.irecv(torch.zeros(8, dtype=torch.uint8), 0).wait()
+            outcome[key] = "returned"
         except RuntimeError:
-            outcome["replication"] = "ended"
+            outcome[key] = "ended"
 
     replicating = threading.Thread(target=replication)
     replicating.start()
@@ -87,6 +91,9 @@ def main(rank: int, store_file: str) -> None:
     thread.join(10)
     replicating.join(10)
     collecting.join(10)
+    again = threading.Thread(target=replication, args=("late_replication", fresh))
+    again.start()  # the replication thread posts once more after the abort: ended at once
+    again.join(10)
     gloo_ops.reset()  # the next generation's groups are built
     time.sleep(0.2)  # the ended operations' helper threads return
     outcome["waiting_after"] = waiting()

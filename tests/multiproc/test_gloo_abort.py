@@ -33,4 +33,5 @@ def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_p
     }
     assert out["helpers_left"] == 0  # the helper's wait on gloo ended, and with it the thread
     assert out["replication"] == "ended"  # the replication thread's receive, too
+    assert out["late_replication"] == "ended"  # and one it posted after the abort
     assert out["destroyed"]  # the group's destructor found nothing pending
