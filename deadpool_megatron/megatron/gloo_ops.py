@@ -119,7 +119,8 @@ def _check() -> None:
 
 class OpenWork:
     """A send or receive that `abort_pending` ends while it is open, waited for directly: the
-    replication thread's (it has no recovery to join, only an abort to notice)."""
+    replication thread's (it has no recovery to join, only an abort to notice). Every
+    operation is labelled (op, group, who posted it) and known until complete (`waiting_on`)."""
 
     def __init__(
         self, work: dist.Work, end_at_abort: bool = True, op: str = "", group=None, caller=""
@@ -212,7 +213,7 @@ def _caller() -> str:
     frame = sys._getframe(2)
     names = []
     while frame is not None and len(names) < 2:
-        names.append(f"{frame.f_code.co_name}")
+        names.append(frame.f_code.co_name)
         frame = frame.f_back
     return " < ".join(names)
 
