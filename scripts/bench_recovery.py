@@ -245,15 +245,14 @@ def main(argv=None) -> int:
             + f"), checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
             f"{r['ckpt_restart']['detect']:.3f}, restart {r['ckpt_restart']['restart_processes']:.2f}"
             f", load {r['ckpt_restart']['load']:.2f}, replay {r['ckpt_restart']['replay']:.2f}), "
-            f"torchrun --max-restarts {r['torchrun']['lost_s']:.2f} s (restart "
-            f"{r['torchrun']['restart_processes']:.2f}, load {r['torchrun']['load']:.2f}, replay "
-            f"{r['torchrun']['replay']:.2f}); "
-            + (
-                f"nvidia-resiliency-ext ft_launcher {r['nvrx']['lost_s']:.2f} s (restart "
-                f"{r['nvrx']['restart_processes']:.2f}, load {r['nvrx']['load']:.2f}, replay "
-                f"{r['nvrx']['replay']:.2f}); "
-                if "nvrx" in r
-                else ""
+            + "".join(
+                f"{label} {r[key]['lost_s']:.2f} s (restart {r[key]['restart_processes']:.2f}, "
+                f"load {r[key]['load']:.2f}, replay {r[key]['replay']:.2f}); "
+                for key, label in (
+                    ("torchrun", "torchrun --max-restarts"),
+                    ("nvrx", "nvidia-resiliency-ext ft_launcher"),
+                )
+                if key in r
             )
             + f"bitwise equal to failure-free: {r['bitwise_equal']}",
             flush=True,
