@@ -184,7 +184,9 @@ class DeadpoolConfig:
         2.0,
         "Seconds a node agent's lease (renewed every --deadpool-heartbeat-interval by a thread "
         "of the agent, not of a training process) may go unrenewed before the other nodes "
-        "count the node lost and hot-swap its ranks onto spares (multi-node jobs).",
+        "count the node lost and hot-swap its ranks onto spares (multi-node jobs). Until the "
+        "job is up (every rank registered) a lease may stand still for "
+        "--deadpool-slow-phase-timeout instead: a node lost then ends the job.",
     )
     deadpool_hang_timeout_factor: float = knob(
         5.0, "Multiple of the longest observed duration of a phase that the phase may take."
@@ -193,7 +195,8 @@ class DeadpoolConfig:
         600.0,
         "Seconds without progress allowed in phases known to be slow: checkpoint saves, the "
         "first two iterations of a process, and a recovery (also how long a process waits for "
-        "a recovery's order, plan and rendezvous).",
+        "a recovery's order, plan and rendezvous; and how long a node's lease may stand still "
+        "before the job is up).",
     )
     deadpool_health_check_interval: float = knob(
         5.0,

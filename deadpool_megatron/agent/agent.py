@@ -257,7 +257,8 @@ class Agent:
         renewed = (lambda: lease.renewed) if lease is not None else (lambda: 0)
         own_needed = max(1, int(p.deadpool_node_timeout / p.deadpool_heartbeat_interval) - 1)
         nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count)),
-                          p.deadpool_node_timeout, renewed, own_needed)  # fmt: skip
+                          p.deadpool_node_timeout, renewed, own_needed,
+                          startup_timeout_s=p.deadpool_slow_phase_timeout)  # fmt: skip
         return Run(workers, pool, monitor, coordinator, chaos, nodes, up=not p.deadpool)
 
     def _start_spare(self, start: SpareStart) -> Child:
@@ -333,7 +334,7 @@ class Agent:
             log.error("this node (%d) was counted lost by the job (its lease lapsed); stopping "
                       "its processes, which no longer hold any rank", self.node)  # fmt: skip
             return self._end(f"node {self.node} counted lost")
-        run.lost_nodes.extend(run.nodes.poll())
+        run.lost_nodes.extend(run.nodes.poll(run.up))
         while run.lost_nodes:
             rc = self._node_lost(run.lost_nodes.pop(0), run)
             if rc is not None:

@@ -89,7 +89,13 @@ class NodeWatch:
     stalls, an etcd cluster electing a new leader, stalls every lease alike and accuses
     nobody), and none of the processes its lease lists (its ranks, its spares) has beaten in
     that time either: a late lease alone, like a late heartbeat, proves nothing while the
-    node's processes are still beating; a lost node's processes are gone with it."""
+    node's processes are still beating; a lost node's processes are gone with it.
+
+    Before the job is up (`poll(up=False)`) a lease may stand still for `startup_timeout_s`
+    instead: no process beats yet, every node's processes are importing and building their
+    models at once (a loaded machine can starve an agent's thread for seconds; seen on CI),
+    and a node lost then ends the whole job, so a false accusation costs the job, not a
+    hot-swap. A node really lost at start-up only ends the job later."""
 
     def __init__(
         self,
@@ -99,20 +105,23 @@ class NodeWatch:
         timeout_s: float,
         own: Callable[[], int],
         own_needed: int,
+        startup_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.ctx = ctx
         self.me = me
         self.nodes = [n for n in nodes if n != me]
         self.timeout_s = timeout_s
+        self.startup_timeout_s = timeout_s if startup_timeout_s is None else startup_timeout_s
         self._own = own  # this agent's own lease renewals that reached the store
         self._own_needed = own_needed
         self._clock = clock
         self._seen: dict[int, _Seen] = {}
         self._lost: dict[int, AgentBeat] = {}
 
-    def poll(self) -> list[AgentBeat]:
-        """Read every lease; the last lease of each node lost since the previous poll."""
+    def poll(self, up: bool = True) -> list[AgentBeat]:
+        """Read every lease; the last lease of each node lost since the previous poll
+        (`up`: whether the job is up, which picks the timeout)."""
         beats = {
             node: self.ctx.get(keys.agent(self.ctx.job, node), AgentBeat)
             for node in self.nodes
@@ -120,6 +129,7 @@ class NodeWatch:
         }
         now = self._clock()
         own = self._own()
+        timeout_s = self.timeout_s if up else self.startup_timeout_s
         newly = []
         for node, beat in beats.items():
             seen = self._seen.get(node)
@@ -128,9 +138,10 @@ class NodeWatch:
                 continue
             if seen is None:
                 continue
-            beating = self._still_beating(seen, now)  # followed from the lease's first miss
+            # followed from the lease's first miss
+            beating = self._still_beating(seen, now, timeout_s)
             if (
-                now - seen.moved_at > self.timeout_s
+                now - seen.moved_at > timeout_s
                 and own - seen.own_at >= self._own_needed
                 and not beating
             ):
@@ -146,11 +157,11 @@ class NodeWatch:
         found += [self.ctx.get(keys.spare_heartbeat(job, s), Heartbeat) for s in beat.spares]
         return tuple(found)
 
-    def _still_beating(self, seen: _Seen, now: float) -> bool:
+    def _still_beating(self, seen: _Seen, now: float, timeout_s: float) -> bool:
         beats = self._beats(seen.beat)
         if beats != seen.beats:
             seen.beats, seen.beats_moved_at = beats, now
-        return now - seen.beats_moved_at <= self.timeout_s
+        return now - seen.beats_moved_at <= timeout_s
 
     def last(self, node: int) -> AgentBeat | None:
         """The newest lease seen of `node` (its last one, if it is lost)."""

@@ -111,3 +111,32 @@ def test_a_late_lease_alone_proves_nothing_while_the_nodes_processes_beat(kv):
         assert watch.poll() == []
     clock.t += 0.01
     assert [b.node for b in watch.poll()] == [1]
+
+
+def test_before_the_job_is_up_a_lease_may_stand_still_for_the_start_up_timeout(kv):
+    # CI: a node's agent, starved while every node started at once, left its lease standing
+    # 2 s before the job was up, and the node-lost rule ended the whole job.
+    ctx = JobContext(kv, JOB)
+    clock = Clock()
+    mine = _lease(ctx, 0)
+    watch = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: mine.renewed, 3, startup_timeout_s=30.0,
+                      clock=clock)  # fmt: skip
+    _lease(ctx, 1, ranks=(2,)).renew()
+    assert watch.poll(up=False) == []
+    for _ in range(58):  # 29 s of silence from node 1 while ours renews
+        clock.t += 0.5
+        mine.renew()
+        assert watch.poll(up=False) == []
+    clock.t += 1.01
+    mine.renew()
+    assert [b.node for b in watch.poll(up=False)] == [1]
+    # Once the job is up the node timeout applies again, to a node silent as long.
+    other = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: mine.renewed, 3, startup_timeout_s=30.0,
+                      clock=clock)  # fmt: skip
+    assert other.poll(up=True) == []
+    for _ in range(4):
+        clock.t += 0.5
+        mine.renew()
+        assert other.poll(up=True) == []
+    clock.t += 0.01
+    assert [b.node for b in other.poll(up=True)] == [1]
