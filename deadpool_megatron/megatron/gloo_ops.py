@@ -58,6 +58,11 @@ class AbortedByRecovery(RuntimeError):
     """An operation given up because a recovery aborted the communicators."""
 
 
+def stop_posting() -> None:
+    """From now until `reset`, every wait gives up and no operation is posted."""
+    _aborted.set()
+
+
 def abort_pending() -> None:
     """Make every pending (and future) wait give up, until `reset`; end the pending sends and
     receives."""

@@ -3,11 +3,20 @@
 gloo has no abort: `ProcessGroup.abort()` does not unblock a pending gloo collective, and
 destroying the groups does not close their connections while anything still references them
 (FIELD-NOTES, and measured again here: after a transient failure, peers stayed blocked in a
-DP reduce-scatter). Shutting down the TCP connections the groups opened does: gloo's pair sees
-end-of-file, the local collective raises, and so does every peer's on the other end
-("Connection closed by peer") within milliseconds; gloo then closes the descriptors itself.
-Peers that were blocked abort their own connections in turn, so the stop spreads along every
-communication edge, and the launcher's recovery order reaches whoever is not blocked.
+DP reduce-scatter). Ending the read side of the TCP connections the groups opened does: gloo's
+pair reads end-of-file, fails every operation it knows of and closes its descriptor.
+
+Only the read side, and the connection kept open under a duplicate descriptor until the next
+generation is up (`release`): gloo (torch 2.13's, and its main branch) fails the sends queued
+on a pair when the pair closes, except a collective's (an unbound buffer's), which then waits
+out the group's timeout with the group's threads and descriptors. A send is queued when its
+write fails without an error yet on the pair: EPIPE after this process shut its write side,
+ECONNRESET after the peer's side went away. Shutting both sides here, or letting gloo's close
+reach a peer still sending, left such a send behind about once per soak run (seen with gdb: a
+TENSOR_MODEL_PARALLEL_GROUP all-reduce's thread in `UnboundBuffer::waitSend` of gloo's ring
+all-reduce, the group's listener, pipe and epoll descriptors and threads held past its release).
+With the write side open and the peer's end not closed, a write in progress completes; peers
+end their own side when the order reaches them (every process's order watcher aborts).
 
 Every TCP connection of the process is cut except the control plane's (the store, etcd, by
 port) and listeners: a pending operation may wait on any group's connection, and the groups are
@@ -21,6 +30,8 @@ import contextlib
 import logging
 import os
 import socket
+import threading
+import time
 
 import torch.distributed as dist
 
@@ -61,50 +72,152 @@ def abort_groups(groups: list, backend: str) -> list[str]:
     return errors
 
 
+class CutConnections:
+    """Connections an abort cut, kept open under duplicate descriptors and drained: a peer
+    that has not aborted yet may still be writing, and a write that cannot complete (a full
+    receive buffer: EAGAIN) queues in gloo, which its own abort then never fails (the bug
+    above). A connection is read only once gloo has closed its own descriptor (never in the
+    middle of one of gloo's messages), and closed when the peer closed its end or at
+    `close_all`. The thread exists while anything is held."""
+
+    INTERVAL_S = 0.01
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: dict[int, tuple[socket.socket, str, bool]] = {}  # fd -> socket, inode, ours
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def holds(self, fd: int) -> bool:
+        with self._lock:
+            return fd in self._held
+
+    def add(self, fd: int, inode: str) -> None:
+        """Hold a duplicate of `fd` (a socket gloo owns and is about to close)."""
+        sock = socket.socket(fileno=os.dup(fd))
+        sock.setblocking(False)
+        with self._lock:
+            self._held[sock.fileno()] = (sock, inode, False)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="deadpool-drain",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+
+    def close_all(self) -> int:
+        with self._lock:
+            held, self._held = self._held, {}
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        for sock, _, _ in held.values():
+            sock.close()
+        return len(held)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._held:
+                    self._thread = None
+                    return
+                held = dict(self._held)
+            open_inodes = None
+            for fd, (sock, inode, ours) in held.items():
+                if not ours:
+                    if open_inodes is None:
+                        open_inodes = [t for f, t in _sockets().items() if f not in held]
+                    if inode in open_inodes:
+                        continue  # gloo still reads it
+                    ours = True
+                if _drain(sock):
+                    sock.close()
+                    with self._lock:
+                        self._held.pop(fd, None)
+                else:
+                    with self._lock:
+                        if fd in self._held:
+                            self._held[fd] = (sock, inode, ours)
+            time.sleep(self.INTERVAL_S)
+
+
+def _drain(sock: socket.socket) -> bool:
+    """Read and drop what the peer sent; True once the peer closed its end (after a read
+    shutdown a read returns b'' whenever nothing is queued, so the TCP state tells)."""
+    with contextlib.suppress(OSError):
+        while sock.recv(1 << 20):
+            pass
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    except OSError:
+        return True
+    return state in (TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK)
+
+
+TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK = 7, 8, 9  # linux/tcp_states.h
+
+
 class CommunicatorAbort:
     """Cut every connection of this process's process groups (all of them: whichever group a
     pending operation waits on), never the control plane's."""
 
     def __init__(self, control_ports: set[int] | None = None):
         self.control_ports = set(control_ports or ())
+        self.cut = CutConnections()
+        self._lock = threading.Lock()
 
     def rearm(self) -> None:
         """New groups are about to be built: their operations wait normally again."""
         gloo_ops.reset()
 
-    def abort(self) -> int:
-        """Make every pending collective of this process, and its peers', fail now.
+    def release(self) -> int:
+        """Close the connections the aborts cut: once every peer has ended its own side (the
+        next generation is up), closing reaches no gloo pair still sending. Returns how many."""
+        return self.cut.close_all()
 
-        Safe from any thread, idempotent; returns the number of connections shut down.
+    def abort(self) -> int:
+        """Make every pending collective of this process fail now; peers fail theirs when
+        they abort in turn (the order reaches every process).
+
+        Safe from any thread, idempotent; returns the number of connections cut.
         """
-        gloo_ops.abort_pending()  # operations gloo would not wake
+        gloo_ops.stop_posting()  # what fails next is the abort's doing, not a new failure
         if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
             abort_groups(live_groups(), "nccl")
         n = 0
-        for fd in _sockets():
-            try:
-                sock = socket.socket(fileno=fd)
-            except OSError:
-                continue  # closed in the meantime
-            try:
-                if sock.type != socket.SOCK_STREAM or sock.family not in (
-                    socket.AF_INET,
-                    socket.AF_INET6,
-                ):
-                    continue
-                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue  # a listener: nothing waits on it
-                ports = {sock.getsockname()[1]}
-                with contextlib.suppress(OSError):
-                    ports.add(sock.getpeername()[1])
-                if ports & self.control_ports:
-                    continue  # the store, etcd: the recovery needs them
-                sock.shutdown(socket.SHUT_RDWR)
-                n += 1
-            except OSError:
-                pass  # not connected (any more): nothing to break
-            finally:
-                sock.detach()  # gloo owns the descriptor and closes it
+        with self._lock:
+            for fd, inode in _sockets().items():
+                if not self.cut.holds(fd) and self._cut(fd, inode):
+                    n += 1
+        gloo_ops.abort_pending()  # operations gloo would not wake
         if n:
-            log.info("aborted communicators: shut down %d connection(s)", n)
+            log.info("aborted communicators: cut %d connection(s)", n)
         return n
+
+    def _cut(self, fd: int, inode: str) -> bool:
+        """End the read side of one group connection, keeping it open (and drained)."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return False  # closed in the meantime
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (
+                socket.AF_INET,
+                socket.AF_INET6,
+            ):
+                return False
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False  # a listener: nothing waits on it
+            ports = {sock.getsockname()[1]}
+            with contextlib.suppress(OSError):
+                ports.add(sock.getpeername()[1])
+            if ports & self.control_ports:
+                return False  # the store, etcd: the recovery needs them
+            self.cut.add(fd, inode)  # before the shutdown: gloo closes fd on the end-of-file
+            sock.shutdown(socket.SHUT_RD)
+            return True
+        except OSError:
+            return False  # not connected (any more): nothing to break
+        finally:
+            sock.detach()  # gloo owns the descriptor and closes it

@@ -513,6 +513,9 @@ class ProcessRecovery:
         A left model still alive after that is logged with what holds it (`LeftBehind`)."""
         generation = self.ctx.generation
         retired, self._retired = self._retired, []
+        # Every peer of this generation has trained an iteration in it, so each has ended its
+        # side of the connections the abort cut: closing them now reaches no gloo pair.
+        self.abort.release()
 
         def collect() -> None:
             t = time.perf_counter()

@@ -65,6 +65,9 @@ class FakeAbort:
     def rearm(self):
         pass
 
+    def release(self):
+        return 0
+
 
 class FakeTrainer:
     iteration = 7
