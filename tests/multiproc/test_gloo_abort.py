@@ -35,3 +35,12 @@ def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_p
     assert out["replication"] == "ended"  # the replication thread's receive, too
     assert out["late_replication"] == "ended"  # and one it posted after the abort
     assert out["destroyed"]  # the group's destructor found nothing pending
+
+
+def test_an_abort_while_all_reduces_run_leaves_none_pending(tmp_path):
+    # 20 rounds per rank; the previous abort (both directions shut, the connection closed by
+    # gloo at once) left one pending in 11 of 120 rank-rounds of the same driver
+    driver = ROOT / "tests" / "drivers" / "abort_race_driver.py"
+    outs = run_drivers(driver, [[str(r), str(tmp_path / "store"), "20"] for r in range(2)], 170)
+    assert [o["stuck"] for o in outs] == [0, 0], outs
+    assert all(o["cut"] >= 20 for o in outs), outs  # every round cut its group's connection

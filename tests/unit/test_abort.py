@@ -1,14 +1,20 @@
 """Aborting communicators: every group of the backend is aborted through torch's API, one
-failing group is logged and does not stop the others (the NCCL path runs the same function)."""
+failing group is logged and does not stop the others (the NCCL path runs the same function);
+a connection the gloo abort cut is held open and drained, on real sockets, only once gloo's
+own descriptor is closed."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
+import threading
+import time
 
 import pytest
 import torch.distributed as dist
 
-from deadpool_megatron.recovery.abort import abort_groups
+from deadpool_megatron.recovery.abort import CutConnections, abort_groups
 
 
 @pytest.fixture
@@ -32,3 +38,69 @@ def test_a_group_that_cannot_be_aborted_is_logged_and_the_rest_still_aborted(glo
         errors = abort_groups([gone, live], "gloo")
     assert len(errors) == 1 and "not initialized" in errors[0], errors
     assert "could not abort gloo group" in caplog.text
+
+
+def _pair():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peer = socket.create_connection(server.getsockname())
+        ours, _ = server.accept()
+    return ours, peer
+
+
+def _inode(sock) -> str:
+    return os.readlink(f"/proc/self/fd/{sock.fileno()}")
+
+
+def _until(what, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _write_all(sock, nbytes: int, timeout_s: float = 10.0) -> int:
+    """Write `nbytes` without blocking for longer than `timeout_s`; how many went out."""
+    sock.setblocking(False)
+    sent, chunk = 0, b"x" * (1 << 16)
+    deadline = time.monotonic() + timeout_s
+    while sent < nbytes and time.monotonic() < deadline:
+        try:
+            sent += sock.send(chunk[: nbytes - sent])
+        except BlockingIOError:
+            time.sleep(0.005)
+    return sent
+
+
+def test_a_cut_connection_is_read_only_after_gloo_closed_its_descriptor_then_drained():
+    # gloo's descriptor ("ours") still open: the drain must not read a byte of gloo's stream
+    ours, peer = _pair()
+    cut = CutConnections()
+    cut.add(ours.fileno(), _inode(ours))
+    peer.sendall(b"gloo's message")
+    time.sleep(0.1)
+    assert ours.recv(64, socket.MSG_PEEK) == b"gloo's message"
+    # gloo read its end-of-file and closed its descriptor: from here the peer, still sending
+    # (its abort comes later), never finds the receive buffer full (a queued send gloo would
+    # then never fail), far past what the socket buffers hold
+    ours.shutdown(socket.SHUT_RD)
+    ours.close()
+    assert _write_all(peer, 64 << 20) == 64 << 20
+    assert len(cut) == 1  # the connection itself stays open: the peer's pair sees nothing
+    # the peer closes its end (its own recovery): the duplicate goes, and the thread with it
+    peer.close()
+    assert _until(lambda: len(cut) == 0)
+    assert _until(lambda: not any(t.name == "deadpool-drain" for t in threading.enumerate()))
+    assert cut.close_all() == 0
+
+
+def test_close_all_closes_what_is_held_and_ends_the_thread():
+    ours, peer = _pair()
+    cut = CutConnections()
+    cut.add(ours.fileno(), _inode(ours))
+    ours.close()
+    assert cut.close_all() == 1
+    assert not any(t.name == "deadpool-drain" for t in threading.enumerate())
+    peer.settimeout(10)
+    assert peer.recv(1) == b""  # the connection is closed: the peer reads its end
