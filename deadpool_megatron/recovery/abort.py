@@ -27,9 +27,12 @@ all rebuilt anyway. NCCL communicators are aborted through torch's `ProcessGroup
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import socket
+import struct
+import termios
 import threading
 import time
 
@@ -39,6 +42,7 @@ from ..megatron import gloo_ops
 from ..megatron.groups import live_groups
 
 log = logging.getLogger("deadpool.recovery")
+SEND_GRACE_S = 0.2  # longest an abort waits for a connection's queued bytes to go out
 
 
 def _sockets() -> dict[int, str]:
@@ -180,6 +184,9 @@ class CommunicatorAbort:
         """Make every pending collective of this process fail now; peers fail theirs when
         they abort in turn (the order reaches every process).
 
+        A connection with bytes still in its send queue is cut once they are out (for at most
+        SEND_GRACE_S): gloo then has no partly written send queued on it, which the cut would
+        leave pending (measured with 4 MB all-reduces: 2 of 100 rank-rounds without the grace).
         Safe from any thread, idempotent; returns the number of connections cut.
         """
         gloo_ops.stop_posting()  # what fails next is the abort's doing, not a new failure
@@ -187,16 +194,22 @@ class CommunicatorAbort:
             abort_groups(live_groups(), "nccl")
         n = 0
         with self._lock:
-            for fd, inode in _sockets().items():
-                if not self.cut.holds(fd) and self._cut(fd, inode):
-                    n += 1
+            todo = {fd: inode for fd, inode in _sockets().items()
+                    if not self.cut.holds(fd) and self._group_connection(fd)}  # fmt: skip
+            deadline = time.monotonic() + SEND_GRACE_S
+            while todo:
+                late = time.monotonic() >= deadline
+                for fd in [fd for fd in todo if late or _unsent(fd) == 0]:
+                    n += self._cut(fd, todo.pop(fd))
+                if todo:
+                    time.sleep(0.001)
         gloo_ops.abort_pending()  # operations gloo would not wake
         if n:
             log.info("aborted communicators: cut %d connection(s)", n)
         return n
 
-    def _cut(self, fd: int, inode: str) -> bool:
-        """End the read side of one group connection, keeping it open (and drained)."""
+    def _group_connection(self, fd: int) -> bool:
+        """A connected TCP socket that is not the control plane's (the store, etcd)."""
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
@@ -212,8 +225,19 @@ class CommunicatorAbort:
             ports = {sock.getsockname()[1]}
             with contextlib.suppress(OSError):
                 ports.add(sock.getpeername()[1])
-            if ports & self.control_ports:
-                return False  # the store, etcd: the recovery needs them
+            return not ports & self.control_ports  # the recovery needs the control plane
+        except OSError:
+            return False
+        finally:
+            sock.detach()  # gloo owns the descriptor
+
+    def _cut(self, fd: int, inode: str) -> bool:
+        """End the read side of one group connection, keeping it open (and drained)."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            return False  # closed in the meantime
+        try:
             self.cut.add(fd, inode)  # before the shutdown: gloo closes fd on the end-of-file
             sock.shutdown(socket.SHUT_RD)
             return True
@@ -221,3 +245,11 @@ class CommunicatorAbort:
             return False  # not connected (any more): nothing to break
         finally:
             sock.detach()  # gloo owns the descriptor and closes it
+
+
+def _unsent(fd: int) -> int:
+    """Bytes in a socket's send queue not yet acknowledged (0 if it cannot be read)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0

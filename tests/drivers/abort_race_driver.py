@@ -1,6 +1,7 @@
 """One of two processes: each round builds a gloo group, all-reduces on it without pause on a
 thread (as a training step's tensor-parallel all-reduces), and aborts it as a recovery does,
-rank 1 up to 50 ms after rank 0 (its order watcher sees the order later). Prints as JSON how
+rank 1 up to 50 ms after rank 0 (its order watcher sees the order later); every other
+round's tensor (4 MB) is written in parts. Prints as JSON how
 many rounds left an all-reduce pending 3 s after both aborted: gloo never fails a
 collective's send it had queued when its pair closes, and cutting both directions of the
 connections queued one in about one round in ten (measured with the previous abort).
@@ -42,7 +43,7 @@ def main(rank: int, store_file: str, rounds: int) -> None:
         group = dist.new_group([0, 1], timeout=TIMEOUT)
         kept.append(group)  # never destroyed here: a stuck one's destructor would wait
         gloo_ops.reset()
-        tensor = torch.ones(4096)
+        tensor = torch.ones(4096 if r % 2 else 1 << 20)  # 16 KB, or 4 MB: sent in parts
         ended = threading.Event()
 
         def all_reduces(group=group, tensor=tensor, ended=ended) -> None:
