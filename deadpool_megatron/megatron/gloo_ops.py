@@ -21,9 +21,10 @@ import sys
 import threading
 import types
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch.distributed as dist
+
+from .wait_pool import WaitPool
 
 POLL_S = 0.05
 # Operations with an async_op flag (waited for here when the caller asked for a sync one).
@@ -37,8 +38,8 @@ log = logging.getLogger("deadpool.recovery")
 _aborted = threading.Event()
 
 
-def _helper_threads() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=64, thread_name_prefix="deadpool-gloo-wait")
+def _helper_threads() -> WaitPool:
+    return WaitPool("deadpool-gloo-wait")
 
 
 _waiters = _helper_threads()
@@ -93,7 +94,7 @@ def reset() -> None:
     more each time a wait was left behind while a new one needed a thread."""
     global _waiters, _left
     old, _waiters = _waiters, _helper_threads()
-    old.shutdown(wait=False)
+    old.shutdown()
     with _open_lock:
         _left = weakref.WeakSet(w for w in _posted if not w.is_completed())
         _posted.clear()
