@@ -82,22 +82,23 @@ class CutConnections:
     receive buffer: EAGAIN) queues in gloo, which its own abort then never fails (the bug
     above). A connection is read only once gloo has closed its own descriptor (never in the
     middle of one of gloo's messages), and closed when the peer closed its end or at
-    `close_all`. The thread exists while anything is held."""
+    `close_all`. A drain thread exists while anything is held."""
 
     INTERVAL_S = 0.01
 
     def __init__(self):
         self._lock = threading.Lock()
         self._held: dict[int, tuple[socket.socket, str, bool]] = {}  # fd -> socket, inode, ours
-        self._thread: threading.Thread | None = None
+        self._thread: tuple[threading.Thread, threading.Event] | None = None
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
 
-    def holds(self, fd: int) -> bool:
+    def holds(self, inode: str) -> bool:
+        """Whether the socket `inode` ('socket:[N]') is held (under any descriptor)."""
         with self._lock:
-            return fd in self._held
+            return any(held == inode for _, held, _ in self._held.values())
 
     def add(self, fd: int, inode: str) -> None:
         """Hold a duplicate of `fd` (a socket gloo owns and is about to close)."""
@@ -106,52 +107,58 @@ class CutConnections:
         with self._lock:
             self._held[sock.fileno()] = (sock, inode, False)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="deadpool-drain",
-                                                daemon=True)  # fmt: skip
-                self._thread.start()
+                stop = threading.Event()
+                thread = threading.Thread(target=self._run, args=(stop,), name="deadpool-drain",
+                                          daemon=True)  # fmt: skip
+                self._thread = (thread, stop)
+                thread.start()
 
     def close_all(self) -> int:
+        """Close everything held and end the drain thread; returns how many were held."""
         with self._lock:
             held, self._held = self._held, {}
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+            running, self._thread = self._thread, None
+        if running is not None:
+            running[1].set()
+            running[0].join()
         for sock, _, _ in held.values():
             sock.close()
         return len(held)
 
-    def _run(self) -> None:
-        while True:
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
             with self._lock:
-                if not self._held:
-                    self._thread = None
-                    return
                 held = dict(self._held)
             open_inodes = None
             for fd, (sock, inode, ours) in held.items():
+                if stop.is_set():
+                    return  # close_all took them
                 if not ours:
                     if open_inodes is None:
-                        open_inodes = [t for f, t in _sockets().items() if f not in held]
+                        open_inodes = {t for f, t in _sockets().items() if f not in held}
                     if inode in open_inodes:
                         continue  # gloo still reads it
-                    ours = True
-                if _drain(sock):
-                    sock.close()
-                    with self._lock:
-                        self._held.pop(fd, None)
-                else:
-                    with self._lock:
-                        if fd in self._held:
-                            self._held[fd] = (sock, inode, ours)
-            time.sleep(self.INTERVAL_S)
+                with self._lock:
+                    if self._held.get(fd, (None,))[0] is not sock:
+                        continue  # taken by close_all meanwhile
+                    self._held[fd] = (sock, inode, True)
+                    if _drain(sock):  # the peer closed its end: nothing left to protect
+                        del self._held[fd]
+                        sock.close()
+            with self._lock:
+                if not self._held and self._thread is not None and self._thread[1] is stop:
+                    self._thread = None
+                    return
+            stop.wait(self.INTERVAL_S)
 
 
 def _drain(sock: socket.socket) -> bool:
     """Read and drop what the peer sent; True once the peer closed its end (after a read
     shutdown a read returns b'' whenever nothing is queued, so the TCP state tells)."""
     with contextlib.suppress(OSError):
-        while sock.recv(1 << 20):
-            pass
+        for _ in range(64):  # at most 64 MiB a pass: the lock is held meanwhile
+            if not sock.recv(1 << 20):
+                break
     try:
         state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
     except OSError:
@@ -195,7 +202,7 @@ class CommunicatorAbort:
         n = 0
         with self._lock:
             todo = {fd: inode for fd, inode in _sockets().items()
-                    if not self.cut.holds(fd) and self._group_connection(fd)}  # fmt: skip
+                    if not self.cut.holds(inode) and self._group_connection(fd)}  # fmt: skip
             deadline = time.monotonic() + SEND_GRACE_S
             while todo:
                 late = time.monotonic() >= deadline

@@ -78,6 +78,7 @@ def test_a_cut_connection_is_read_only_after_gloo_closed_its_descriptor_then_dra
     ours, peer = _pair()
     cut = CutConnections()
     cut.add(ours.fileno(), _inode(ours))
+    assert cut.holds(_inode(ours)) and not cut.holds(_inode(peer))  # a second abort skips it
     peer.sendall(b"gloo's message")
     time.sleep(0.1)
     assert ours.recv(64, socket.MSG_PEEK) == b"gloo's message"
