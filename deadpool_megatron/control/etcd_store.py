@@ -28,6 +28,12 @@ from .store import KVStore, StoreTimeout, StoreUnreachable
 __all__ = ["EtcdKVStore", "parse_endpoints"]
 
 RETRY_S = 0.1
+# One request's wait on one member: a request a follower took during an election can hang for
+# etcd's own request timeout (seconds) after the new leader is up, while another member (or
+# the same one, asked again) answers at once. Waited for whole, it made one node's lease and
+# heartbeats late by those seconds and a node watching through another member counted it lost
+# (CI-like run of test_multinode's etcd test: node 2 counted lost 2-3 s after the leader died).
+ATTEMPT_S = 1.0
 AUTHENTICATE = "/v3/auth/authenticate"
 
 
@@ -78,8 +84,9 @@ class EtcdKVStore(KVStore):
 
     def _post(self, path: str, body: dict) -> dict:
         """POST to the first endpoint that answers; it is tried first next time. Every
-        endpoint is tried again until the timeout: a member that died, or a cluster electing a
-        new leader (about a second), is ridden out, not reported."""
+        endpoint is tried again (each attempt waited for up to ATTEMPT_S) until the timeout: a
+        member that died, or a cluster electing a new leader (about a second), is ridden out,
+        not reported."""
         data = json.dumps(body).encode()
         deadline = time.monotonic() + self._timeout_s
         while True:
@@ -120,7 +127,8 @@ class EtcdKVStore(KVStore):
         request = urllib.request.Request(
             url + path, data=data, headers={"Content-Type": "application/json", **headers}
         )
-        opened = urllib.request.urlopen(request, timeout=self._timeout_s, context=self._ssl)
+        timeout = min(self._timeout_s, ATTEMPT_S)
+        opened = urllib.request.urlopen(request, timeout=timeout, context=self._ssl)
         with opened as response:
             return json.loads(response.read() or b"{}")
 
