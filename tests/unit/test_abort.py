@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from waiting import until
 
 from deadpool_megatron.recovery.abort import CutConnections, abort_groups
 
@@ -51,15 +52,6 @@ def _inode(sock) -> str:
     return os.readlink(f"/proc/self/fd/{sock.fileno()}")
 
 
-def _until(what, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _write_all(sock, nbytes: int, timeout_s: float = 10.0) -> int:
     """Write `nbytes` without blocking for longer than `timeout_s`; how many went out."""
     sock.setblocking(False)
@@ -91,8 +83,8 @@ def test_a_cut_connection_is_read_only_after_gloo_closed_its_descriptor_then_dra
     assert len(cut) == 1  # the connection itself stays open: the peer's pair sees nothing
     # the peer closes its end (its own recovery): the duplicate goes, and the thread with it
     peer.close()
-    assert _until(lambda: len(cut) == 0)
-    assert _until(lambda: not any(t.name == "deadpool-drain" for t in threading.enumerate()))
+    assert until(lambda: len(cut) == 0)
+    assert until(lambda: not any(t.name == "deadpool-drain" for t in threading.enumerate()))
     assert cut.close_all() == 0
 
 

@@ -6,24 +6,15 @@ at once and a busy one when its wait returns."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from waiting import until
 
 from deadpool_megatron.megatron.wait_pool import WaitPool
 
 
 def _named(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
-
-
-def _until(what, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not what():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_waits_one_at_a_time_use_one_thread():
@@ -36,13 +27,13 @@ def test_waits_one_at_a_time_use_one_thread():
     first.add_done_callback(lambda _: chained.append(pool.submit(lambda: "next")))
     go.set()
     assert first.result(timeout=10) is True
-    assert _until(lambda: chained) and chained[0].result(timeout=10) == "next"
+    assert until(lambda: chained) and chained[0].result(timeout=10) == "next"
     assert pool.threads == 1
     for i in range(500):
         assert pool.submit(lambda i=i: i * 2).result(timeout=10) == i * 2
     assert pool.threads == 1 and len(_named("pool-seq")) == 1
     pool.shutdown()
-    assert _until(lambda: not _named("pool-seq"))
+    assert until(lambda: not _named("pool-seq"))
 
 
 def test_a_second_thread_only_while_the_first_waits_and_errors_reach_the_waiter():
@@ -63,7 +54,7 @@ def test_a_second_thread_only_while_the_first_waits_and_errors_reach_the_waiter(
     with pytest.raises(RuntimeError, match="closed by peer"):
         pool.submit(fails).result(timeout=10)
     pool.shutdown()
-    assert _until(lambda: not _named("pool-two"))
+    assert until(lambda: not _named("pool-two"))
 
 
 def test_shutdown_ends_idle_threads_now_and_a_busy_one_when_its_wait_returns():
@@ -73,9 +64,9 @@ def test_shutdown_ends_idle_threads_now_and_a_busy_one_when_its_wait_returns():
     pool.submit(lambda: None).result(timeout=10)
     assert len(_named("pool-stop")) == 2
     pool.shutdown()
-    assert _until(lambda: len(_named("pool-stop")) == 1)  # the idle one ended
+    assert until(lambda: len(_named("pool-stop")) == 1)  # the idle one ended
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(lambda: None)
     release.set()  # the wait gloo never woke ends (at the group's timeout)
     assert busy.result(timeout=10) is True
-    assert _until(lambda: not _named("pool-stop"))
+    assert until(lambda: not _named("pool-stop"))
