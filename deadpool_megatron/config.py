@@ -262,6 +262,13 @@ class DeadpoolConfig:
         "drains). Not after a health-check failure on that node, nor after 3 fresh spares in a "
         "row died before they were ready.",
     )
+    deadpool_rebuild_model: bool = knob(
+        False,
+        "At each recovery, survivors build their model, DDP and optimizer again instead of "
+        "keeping them and swapping in the new generation's process groups (the cost a "
+        "recovery had before survivors kept them; for comparison). Patched Megatron-LM's "
+        "pretrain() always builds them again.",
+    )
     deadpool_verify_groups: bool = knob(
         False,
         "After each recovery, walk every object reachable from training and megatron-core's "

@@ -1,19 +1,96 @@
-"""Find every process group reachable from the training objects: after a recovery, none may
-be one from before it (model modules, DDP buffers and buckets, the distributed optimizer, the
-pipeline schedule's p2p state, the replication ring and megatron-core's own globals)."""
+"""Process groups reachable from the training objects: found (after a recovery none may be one
+from before it: model modules, DDP buffers and buckets, the distributed optimizer, the pipeline
+schedule's p2p state, the replication ring and megatron-core's own globals) and replaced (a
+survivor's kept model rebound to its new generation's groups, recovery/stages.py)."""
 
 from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+Setter = Callable[[object], None] | None  # puts a new value where a child was; None: immutable
+
+_OPAQUE = (types.ModuleType, torch.Tensor, str, bytes, int, float, type)
+
+
+WORLD = "WORLD"  # the role of the default group
 
 
 def live_groups() -> list[object]:
     """Every process group torch.distributed knows now (keep the list to keep ids unique)."""
     return list(dist.distributed_c10d._world.pg_map)
+
+
+def group_roles() -> dict[int, tuple[str, dist.ProcessGroup]]:
+    """id of every process group megatron-core and torch hold now -> (its role, the group).
+
+    Taken before a generation's groups are torn down (the caller keeps the groups, so their
+    ids stay unique), and again after the new ones are built."""
+    from megatron.core import parallel_state
+
+    roles: dict[int, tuple[str, dist.ProcessGroup]] = {}
+    for name, value in sorted(vars(parallel_state).items()):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for i, group in enumerate(values):
+            if isinstance(group, dist.ProcessGroup):
+                role = name if values is not value else f"{name}[{i}]"
+                roles.setdefault(id(group), (role, group))
+    if dist.is_initialized():
+        roles[id(dist.group.WORLD)] = (WORLD, dist.group.WORLD)
+    return roles
+
+
+def children(path: str, obj: object) -> list[tuple[str, object, Setter]]:
+    """What `obj` refers to that a walk looks into: (path, value, how to replace it)."""
+    if isinstance(obj, dict):
+        return [(f"{path}[{k!r}]", v, functools.partial(obj.__setitem__, k)) for k, v in
+                list(obj.items())]  # fmt: skip
+    if isinstance(obj, list):
+        return [(f"{path}[{i}]", v, functools.partial(obj.__setitem__, i)) for i, v in
+                enumerate(obj)]  # fmt: skip
+    if isinstance(obj, (tuple, set, frozenset)):
+        return [(f"{path}[{i}]", v, None) for i, v in enumerate(obj)]
+    if isinstance(obj, functools.partial):
+        return [(f"{path}.func", obj.func, None), (f"{path}.args", obj.args, None),
+                (f"{path}.keywords", obj.keywords, None)]  # fmt: skip
+    if isinstance(obj, types.MethodType):
+        return [(f"{path}.__self__", obj.__self__, None)]
+    if isinstance(obj, types.FunctionType):
+        return [(f"{path}.<closure {i}>", c.cell_contents, functools.partial(_set_cell, c))
+                for i, c in enumerate(obj.__closure__ or ()) if c.cell_contents is not None]  # fmt: skip
+    if hasattr(obj, "__dict__"):
+        attrs = vars(obj)
+        return [(f"{path}.{k}", v, functools.partial(attrs.__setitem__, k)) for k, v in
+                list(attrs.items())]  # fmt: skip
+    return []
+
+
+def _set_cell(cell: types.CellType, value: object) -> None:
+    cell.cell_contents = value
+
+
+def walk(
+    roots: dict[str, object], max_depth: int | None = None, skip: tuple = ()
+) -> Iterator[tuple[str, dist.ProcessGroup, Setter]]:
+    """(path, group, setter) for every reference to a process group reachable from `roots`,
+    each object looked into once, not looking into the objects in `skip`."""
+    seen = {id(o) for o in skip}
+    stack: list[tuple[str, object, Setter, int]] = [(n, o, None, 0) for n, o in roots.items()]
+    while stack:
+        path, obj, setter, depth = stack.pop()
+        if max_depth is not None and depth > max_depth:
+            continue
+        if isinstance(obj, dist.ProcessGroup):
+            yield path, obj, setter  # every reference, not once per group
+            continue
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        stack.extend((p, v, s, depth + 1) for p, v, s in children(path, obj))
 
 
 def reachable_groups(
@@ -25,35 +102,11 @@ def reachable_groups(
 
     named = {f"root{i}": r for i, r in enumerate(roots)}
     named["parallel_state"] = dict(vars(parallel_state))
-    found, seen = [], {id(o) for o in skip}
-    stack = [(name, obj, 0) for name, obj in named.items()]
-    while stack:
-        path, obj, depth = stack.pop()
-        skip = (types.ModuleType, torch.Tensor, str, bytes, int, float, type)
-        if id(obj) in seen or depth > max_depth or isinstance(obj, skip):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, dist.ProcessGroup):
-            found.append((path, obj))
-            continue
-        if isinstance(obj, dict):
-            items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-        elif isinstance(obj, functools.partial):
-            items = [(f"{path}.func", obj.func), (f"{path}.args", obj.args),
-                     (f"{path}.keywords", obj.keywords)]  # fmt: skip
-        elif isinstance(obj, types.MethodType):
-            items = [(f"{path}.__self__", obj.__self__)]
-        elif isinstance(obj, types.FunctionType):
-            cells = obj.__closure__ or ()
-            items = [(f"{path}.<closure {i}>", c.cell_contents) for i, c in enumerate(cells)
-                     if c.cell_contents is not None]  # fmt: skip
-        elif hasattr(obj, "__dict__"):
-            items = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
-        else:
-            items = []
-        stack.extend((p, v, depth + 1) for p, v in items)
+    found, seen = [], set()
+    for path, group, _ in walk(named, max_depth, skip):
+        if id(group) not in seen:
+            seen.add(id(group))
+            found.append((path, group))
     return found
 
 

@@ -24,6 +24,7 @@ from megatron.core.transformer.module import Float16Module
 
 from ..config import JobConfig
 from . import parallel
+from .build_calls import Call, recording
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class TrainState:
     scheduler: OptimizerParamScheduler
     transformer_config: TransformerConfig
     hook_tables: list[dict] = field(default_factory=list)  # see `unhook`
+    build_calls: list[Call] | None = None  # the collectives its build performed (build_calls)
 
 
 def train_state(model: list, optimizer, scheduler) -> TrainState:
@@ -201,9 +203,10 @@ def build_optimizer(cfg: JobConfig, model: list[DistributedDataParallel]):
 
 def build_train_state(cfg: JobConfig, on_gpu: bool) -> TrainState:
     tcfg = transformer_config(cfg, on_gpu)
-    model = build_model(cfg, tcfg, on_gpu)
-    optimizer, scheduler = build_optimizer(cfg, model)
-    return TrainState(model, optimizer, scheduler, tcfg, hook_tables(model))
+    with recording() as calls:
+        model = build_model(cfg, tcfg, on_gpu)
+        optimizer, scheduler = build_optimizer(cfg, model)
+    return TrainState(model, optimizer, scheduler, tcfg, hook_tables(model), calls)
 
 
 def hook_tables(model: list) -> list[dict]:
@@ -230,18 +233,24 @@ def _probe(*unused) -> None:
     """Registered and removed at once by `hook_tables`; never called."""
 
 
-def unhook(state: TrainState) -> int:
-    """Cut an abandoned model's gradient hooks off its parameters' gradient accumulators;
-    returns how many hooks were removed. Only for a model that never runs again.
+def unhook(state: TrainState) -> list[dict]:
+    """Cut a model's gradient hooks off its parameters' gradient accumulators while it does
+    not run; returns what was removed, for `rehook`.
 
     Each hook's closure holds the DDP, and so every process group of its generation. An
     operation gloo never woke after the abort keeps the failed iteration's tensors until the
     group's timeout (minutes), and their autograd graph reaches those accumulators from
-    outside Python: with the hooks in place that kept the old model and its groups open past
-    its recovery's collection (measured in the soak); without them the graph reaches the
-    parameters only."""
-    removed = 0
+    outside Python: with the hooks in place that kept an abandoned model and its groups open
+    past its recovery's collection (measured in the soak); without them the graph reaches the
+    parameters only. A survivor that keeps its model puts them back once it is rebound."""
+    removed = []
     for table in state.hook_tables:
-        removed += len(table)
+        removed.append(dict(table))
         table.clear()
     return removed
+
+
+def rehook(state: TrainState, removed: list[dict]) -> None:
+    """Put back the hooks `unhook` removed from `state` (its DDP rebound to new groups)."""
+    for table, hooks in zip(state.hook_tables, removed, strict=True):
+        table.update(hooks)

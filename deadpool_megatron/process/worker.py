@@ -69,9 +69,11 @@ def watch(
     store: dist.Store,
     progress: ProgressBoard,
     takeover: Takeover | None = None,
+    keep_model: bool = False,
 ) -> tuple[Guard, ProcessRecovery, OrderWatcher | None]:
-    """A worker's guard (registered with the job, or a claimed spare's), its recovery, and,
-    with --deadpool, the watcher of recovery orders (started)."""
+    """A worker's guard (registered with the job, or a claimed spare's), its recovery (which
+    keeps a survivor's model with `keep_model`), and, with --deadpool, the watcher of
+    recovery orders (started)."""
     dpc = cfg.deadpool
     if takeover is not None:
         ctx, client = takeover.ctx, takeover.client
@@ -83,6 +85,7 @@ def watch(
     recovery = ProcessRecovery(
         cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
         protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
+        keep_model=keep_model,
     )  # fmt: skip
     watcher = None
     if dpc.deadpool:
@@ -104,7 +107,8 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
     guard = recovery = watcher = None
     dpc = cfg.deadpool
     if takeover is not None or ((dpc.deadpool or dpc.deadpool_inject) and env.under_launcher):
-        guard, recovery, watcher = watch(cfg, env, store, progress, takeover)
+        keep = not dpc.deadpool_rebuild_model
+        guard, recovery, watcher = watch(cfg, env, store, progress, takeover, keep)
     events = guard.events if guard is not None else EventLog(dpc.deadpool_event_log, env.rank)
     faults = restart_faults(cfg, env, events) if guard is None and dpc.deadpool_inject else None
     session = ProtectedLoop(

@@ -26,8 +26,10 @@ class LeftBehind:
         self._lock = threading.Lock()
 
     def track(self, generation: int, model: object) -> None:
-        """`model` belongs to `generation` (tracking it keeps nothing alive)."""
+        """`model` belongs to `generation`, and no longer to an older one it was kept from
+        (tracking it keeps nothing alive)."""
         with self._lock:
+            self._models = {g: r for g, r in self._models.items() if r() is not model}
             self._models[generation] = weakref.ref(model)
 
     def survivors(self, before: int) -> dict[int, weakref.ref]:

@@ -9,9 +9,11 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
 2. await order / report holdings: publish what it holds for the ordered generation;
 3. await plan: the agent's plan for that generation, or why nothing can be recovered;
 4. rebuild: tear down every group, meet everyone of the generation on the store, build
-   torch.distributed and megatron-core's groups on the generation's store prefix, then the
-   model and optimizer (nothing built before stays reachable from training); in patched
-   Megatron-LM, after the same reset, its pretrain() builds them (process/upstream.py);
+   torch.distributed and megatron-core's groups on the generation's store prefix; a survivor
+   keeps its model and optimizer and swaps the groups they hold for the new ones
+   (megatron/rebind.py), a spare builds them (no group from before stays reachable from
+   training either way); in patched Megatron-LM, after the same reset, its pretrain()
+   builds them (process/upstream.py);
 5. restore: roll back to its own snapshot of the plan's iteration, or, for a spare, receive
    the parameters from one DP peer and the optimizer shard from one ring successor;
 6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
@@ -62,10 +64,12 @@ from ..errors import DeadpoolError
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import gloo_ops, parallel
+from ..megatron.build_calls import replay, replayable
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
-from ..megatron.groups import live_groups, stale_groups
-from ..megatron.model import TrainState, build_train_state, unhook
+from ..megatron.groups import group_roles, live_groups, stale_groups
+from ..megatron.model import TrainState, build_train_state, rehook, unhook
+from ..megatron.rebind import CannotRebind, rebind
 from ..megatron.shard import RankState
 from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
@@ -142,6 +146,15 @@ class Held:
 
 
 @dataclass
+class Kept:
+    """A survivor's model, DDP, optimizer and scheduler, kept through a recovery, and the
+    gradient hooks cut off them meanwhile."""
+
+    state: TrainState
+    hooks: list[dict]
+
+
+@dataclass
 class Rebuilt:
     """What the rebuild stage produced, carried through restore, verify and resume."""
 
@@ -173,6 +186,7 @@ class ProcessRecovery:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         cpu_clock: Callable[[], float] = time.process_time,
+        keep_model: bool = False,
     ):
         self.cfg = cfg
         self.env = env
@@ -204,6 +218,11 @@ class ProcessRecovery:
         # Process groups of the generations left behind, released after the collection.
         self._retired: list[object] = []
         self.models = LeftBehind()  # each generation's model, to catch one that outlives it
+        # A survivor's state, rebound instead of rebuilt (not when Megatron-LM's pretrain()
+        # builds the model), and the role of every group it may hold, until it resumes.
+        self.keep_model = keep_model
+        self._kept: Kept | None = None
+        self._roles: dict[int, tuple] = {}
 
     # -- entry points ------------------------------------------------------------------------
     def recover(self, trainer: Trainer, err: BaseException) -> None:
@@ -289,8 +308,11 @@ class ProcessRecovery:
         self.completed = max(self.completed, trainer.iteration)
         if trainer.state is not None:
             self.models.track(self.ctx.generation, trainer.state.model[0])
-            cut = unhook(trainer.state)  # a pending operation's graph must not hold it
-            log.debug("cut %d gradient hooks off generation %d's model", cut, self.ctx.generation)
+            hooks = unhook(trainer.state)  # a pending operation's graph must not hold it
+            log.debug("cut %d gradient hooks off generation %d's model",
+                      sum(map(len, hooks)), self.ctx.generation)  # fmt: skip
+            if self.keep_model:
+                self._kept = Kept(trainer.state, hooks)
         self._keep(trainer.detach())
 
     def _keep(self, pipeline: ProtectionPipeline | None) -> None:
@@ -353,14 +375,38 @@ class ProcessRecovery:
         host = parallel.host_group()  # with the other groups: before any fault can strike
         phases = {"rebuild_communicators": time.perf_counter() - t}
         t = time.perf_counter()
-        state = build_train_state(self.cfg, on_gpu)
+        state = self._rebound(bool(plan.replaced))
+        if state is None:
+            state = build_train_state(self.cfg, on_gpu)
+            materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
         self.models.track(plan.generation, state.model[0])
-        materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
         if trainer is None:
             trainer = make_trainer(state, on_gpu)
         phases["rebuild_model"] = time.perf_counter() - t
         self.inject_recovery_fault()
         return Rebuilt(trainer, state, on_gpu, phases, old_groups, host)
+
+    def _rebound(self, spares_build: bool) -> TrainState | None:
+        """The kept state, its groups swapped for the new generation's and its hooks back;
+        None if nothing is kept or a group cannot be swapped (then it is built again). When
+        spares build their model, the collectives of this rank's own build are performed
+        again, to meet theirs (megatron/build_calls.py)."""
+        kept, roles, self._roles = self._kept, self._roles, {}  # roles hold the old groups
+        if kept is None:
+            return None
+        try:
+            if spares_build and not replayable(kept.state.build_calls):
+                raise CannotRebind("its build's collectives were not recorded, and a spare builds")
+            swapped = rebind(kept.state, roles)
+        except CannotRebind as why:
+            log.warning("building the model again: %s", why)
+            self._kept = None
+            return None
+        rehook(kept.state, kept.hooks)
+        replayed = replay(kept.state.build_calls) if spares_build else 0
+        log.info("kept the model: %d process group references swapped, %d build collectives "
+                 "performed again for the spares", swapped, replayed)  # fmt: skip
+        return kept.state
 
     def reset_communicators(self, plan: RecoveryPlan) -> list:
         """Tear down every group and meet the generation on the store; returns the groups
@@ -369,6 +415,8 @@ class ProcessRecovery:
         retiring = live_groups()
         self._retired.extend(retiring)  # released by _collect_previous_generation, not by gc
         old_groups = list(retiring) if self.cfg.deadpool.deadpool_verify_groups else []
+        if self._kept is not None:
+            self._roles.update(group_roles())  # what the kept state's groups were for
         parallel.destroy_distributed()
         self.rendezvous(plan.generation)
         self.abort.rearm()
@@ -487,6 +535,7 @@ class ProcessRecovery:
             checked = reachable
             log.info("verified: %d process groups reachable, none from before", reachable)
         rebuilt.old_groups.clear()
+        self._kept = None  # resumed: from here on the trainer holds it
         self.ctx.advance(plan.generation)
         self.active = False
         phases = rebuilt.phases

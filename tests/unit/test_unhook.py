@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from deadpool_megatron.megatron.model import TrainState, hook_tables, unhook
+from deadpool_megatron.megatron.model import TrainState, hook_tables, rehook, unhook
 
 
 class _DDP(torch.nn.Module):
@@ -43,7 +43,7 @@ def _abandon(cut: bool) -> tuple[weakref.ref, list]:
     state = TrainState([model], _optimizer(model), None, None, hook_tables([model]))
     pending = [model.module(torch.ones(2, 4))]  # the failed iteration's output, its graph held
     if cut:
-        assert unhook(state) == 2  # weight and bias
+        assert sum(map(len, unhook(state))) == 2  # weight and bias
     return weakref.ref(model), pending
 
 
@@ -70,3 +70,17 @@ def test_a_held_graph_keeps_the_model_alive_until_its_hooks_are_cut():
     pending.clear()
     gc.collect()
     assert kept() is None
+
+
+def test_a_kept_model_gets_its_hooks_back_and_they_run_again():
+    """A survivor keeps its model through a recovery: the hooks cut while it stood still are
+    the same ones put back, and a backward pass calls them."""
+    model = _DDP()
+    state = TrainState([model], _optimizer(model), None, None, hook_tables([model]))
+    removed = unhook(state)
+    model.module(torch.ones(2, 4)).sum().backward()
+    assert not hasattr(model, "last")  # cut: not called
+    rehook(state, removed)
+    assert [len(t) for t in state.hook_tables] == [1, 1]
+    model.module(torch.ones(2, 4)).sum().backward()
+    assert model.last is not None

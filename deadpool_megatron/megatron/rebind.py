@@ -1,0 +1,57 @@
+"""A survivor keeps its model, DDP, optimizer and scheduler through a recovery: only the
+process groups they hold are swapped for the new generation's.
+
+Building them again cost every survivor the model's construction, DDP's buffers and the
+optimizer's (0.22 s a process at 8 processes, 4.3 s at 32 on this machine, where every
+process builds at once), and the first resumed iteration its warm-up; the survivor's state is
+rolled back from its own snapshot either way. megatron-core's objects hold its groups as
+attributes (a layer's `tp_group`, DDP's and its bucket groups' data-parallel groups, the
+distributed optimizer's), so each reference is replaced by the group of the same role in the
+new generation: the role is the parallel_state global that held it (the default group is
+"WORLD"). The ranks of every group are the same in every generation (a spare takes over the
+failed rank's number), so nothing computed from them changes. A reference to a group with no
+role, or one that cannot be replaced in place, makes the rebind refuse (`CannotRebind`); the
+caller then builds the state again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from ..errors import DeadpoolError
+from .groups import group_roles, walk
+from .model import TrainState
+
+log = logging.getLogger(__name__)
+
+
+class CannotRebind(DeadpoolError):
+    """The kept state holds a process group the new generation has no counterpart for."""
+
+
+def rebind(state: TrainState, old: dict[int, tuple[str, dist.ProcessGroup]]) -> int:
+    """Replace, in `state`, every reference to a group in `old` (roles from before the
+    teardown) with the new generation's group of the same role; returns how many references
+    were replaced. Raises CannotRebind, before changing anything, if one cannot be."""
+    new = {role: group for role, group in group_roles().values()}
+    current = {id(g) for g in new.values()}
+    swaps, problems = [], []
+    for path, group, setter in walk({"state": state}):
+        if id(group) in current:
+            continue  # already the new generation's (a reference met twice, say)
+        role = old.get(id(group), (None, None))[0]
+        if role is None or role not in new:
+            problems.append(f"{path} (role {role})")
+        elif setter is None:
+            problems.append(f"{path} (immutable)")
+        else:
+            swaps.append((setter, new[role]))
+    if problems:
+        raise CannotRebind(f"{len(problems)} process group reference(s) cannot be rebound: "
+                           + "; ".join(problems[:5]))  # fmt: skip
+    for setter, group in swaps:
+        setter(group)
+    log.debug("rebound %d process group reference(s) to the new generation", len(swaps))
+    return len(swaps)

@@ -1,0 +1,46 @@
+"""A survivor's kept model, DDP and optimizer are rebound to the new generation's process
+groups: every reference to an old group is replaced by the group of the same role, or, if one
+has no counterpart, nothing is changed and the caller builds the state again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jobs import ROOT
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _run(*args: str) -> dict:
+    # A process of its own: torch.distributed and megatron-core's globals are per process.
+    driver = ROOT / "tests" / "drivers" / "rebind_driver.py"
+    done = subprocess.run([sys.executable, str(driver), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=150)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_old_group_a_real_gpt_state_holds_is_swapped_for_the_new_one():
+    out = _run()
+    assert "_TENSOR_MODEL_PARALLEL_GROUP" in out["roles"] and "WORLD" in out["roles"]
+    assert out["swapped"] > 10  # layers, DDP, its bucket groups, the optimizer
+    assert out["reachable"] > 0 and out["stale"] == []
+    assert out["layer_group_is_new"] and not out["layer_group_unchanged"]
+    assert out["hooks"] > 0  # the gradient hooks are back
+    # The build's collectives, recorded by group role: DDP's parameter broadcast over the DP
+    # group and the optimizer's gathering of parameter-group keys over every rank.
+    calls = [tuple(c) for c in out["build_calls"]]
+    assert ("broadcast", "_DATA_PARALLEL_GROUP_WITH_CP") in calls
+    assert ("all_gather_object", "WORLD") in calls
+    assert out["replayable"] and out["replayed"] == len(calls)
+
+
+def test_a_group_with_no_role_refuses_the_rebind_and_changes_nothing():
+    out = _run("unknown")
+    assert "stray_group" in out["refused"] and "swapped" not in out
+    assert out["layer_group_unchanged"] and not out["layer_group_is_new"]
+    assert any("stray_group" in path for path in out["stale"])
