@@ -47,7 +47,7 @@ def group_roles() -> dict[int, tuple[str, dist.ProcessGroup]]:
 def children(path: str, obj: object) -> list[tuple[str, object, Setter]]:
     """What `obj` refers to that a walk looks into: (path, value, how to replace it)."""
     if isinstance(obj, dict):
-        return [(f"{path}[{k!r}]", v, functools.partial(obj.__setitem__, k)) for k, v in
+        return [(f"{path}[{_key(k)}]", v, functools.partial(obj.__setitem__, k)) for k, v in
                 list(obj.items())]  # fmt: skip
     if isinstance(obj, list):
         return [(f"{path}[{i}]", v, functools.partial(obj.__setitem__, i)) for i, v in
@@ -67,6 +67,14 @@ def children(path: str, obj: object) -> list[tuple[str, object, Setter]]:
         return [(f"{path}.{k}", v, functools.partial(attrs.__setitem__, k)) for k, v in
                 list(attrs.items())]  # fmt: skip
     return []
+
+
+def _key(key: object) -> str:
+    """A dict key in a path: its repr if short to make (names, numbers), else its type (the
+    repr of a tensor key, as in an optimizer's state, formats its values: 0.1 ms each)."""
+    if isinstance(key, (str, int, float, bool)) or key is None:
+        return repr(key)
+    return f"<{type(key).__name__}>"
 
 
 def _set_cell(cell: types.CellType, value: object) -> None:
