@@ -262,12 +262,14 @@ class DeadpoolConfig:
         "drains). Not after a health-check failure on that node, nor after 3 fresh spares in a "
         "row died before they were ready.",
     )
-    deadpool_rebuild_model: bool = knob(
+    deadpool_keep_model: bool = knob(
         False,
-        "At each recovery, survivors build their model, DDP and optimizer again instead of "
-        "keeping them and swapping in the new generation's process groups (the cost a "
-        "recovery had before survivors kept them; for comparison). Patched Megatron-LM's "
-        "pretrain() always builds them again.",
+        "At a recovery, survivors keep their model, DDP and optimizer and only swap the "
+        "process groups they hold for the new generation's (a spare still builds its own; "
+        "survivors repeat their build's collectives to meet it). Experimental: on the 2-core "
+        "development machine it did not shorten recoveries of 4-16 processes, and two "
+        "32-process runs hung in the recovery (see the README). Without it every process "
+        "builds them again; patched Megatron-LM's pretrain() always does.",
     )
     deadpool_verify_groups: bool = knob(
         False,

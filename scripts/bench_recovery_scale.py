@@ -7,10 +7,10 @@ killed in iteration --fail-at and hot-swapped. For each N the
 event log gives the recovery (failure to first resumed iteration) and its phases; the metrics
 give the normal iteration time, so the first resumed iteration is also a ratio to it. Each
 job's final state digest is compared with a failure-free twin of the same N (--no-twins skips
-them). Survivors keep their model and optimizer through the recovery (the default); the same
-failure is run again with --deadpool-rebuild-model, where every survivor builds them again,
-as the baseline (--no-rebuild-baseline skips it). A least-squares line per phase (seconds =
-a + b x processes) says what grows.
+them). The same failure is run again with --deadpool-keep-model, where survivors keep their
+model and optimizer and only swap their process groups (--no-keep-model-run skips it; a run
+of it that fails is recorded, not fatal). A least-squares line per phase (seconds = a + b x
+processes) says what grows.
 
     python scripts/bench_recovery_scale.py                   # 4, 8, 16, 32 processes
     python scripts/bench_recovery_scale.py --nprocs 4,8      # a quick look
@@ -18,7 +18,7 @@ a + b x processes) says what grows.
 Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": {N: s},
 "growth_8_to_32", "first_iteration_ratio", "recovery_cpu_s" (the busiest process's CPU seconds
 over the recovery, which oversubscription does not inflate), "cpu_growth_8_to_32",
-"phase_slope_ms_per_process", "recovery_s_rebuild" (the baseline's), ...}.
+"phase_slope_ms_per_process", "recovery_s_keep_model", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
 """
 
@@ -49,8 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=12, help="iterations per job (default 12)")
     p.add_argument("--fail-at", type=int, default=8, help="iteration of the kill (default 8)")
     p.add_argument("--no-twins", action="store_true", help="skip the failure-free twins")
-    p.add_argument("--no-rebuild-baseline", action="store_true",
-                   help="skip the jobs whose survivors build their model again")  # fmt: skip
+    p.add_argument("--no-keep-model-run", action="store_true",
+                   help="skip the jobs whose survivors keep their model")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"))
     p.add_argument("--reuse", action="store_true",
                    help="summarize the jobs a previous run recorded in --out again")  # fmt: skip
@@ -68,9 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, rebuild: bool = False) -> dict:
+def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, keep: bool = False) -> dict:
     """One job of n processes (+1 spare); returns its phases, iteration time and digest.
-    With `rebuild`, survivors build their model again in the recovery."""
+    With `keep`, survivors keep their model through the recovery."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
     metrics.unlink(missing_ok=True)
@@ -84,8 +84,8 @@ def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, rebuild: bo
     victim = n // 2 - 1  # the last DP rank of the first pipeline stage
     if failure:
         flags += ["--deadpool-inject", f"kill@{victim}:{a.fail_at}"]
-    if rebuild:
-        flags.append("--deadpool-rebuild-model")
+    if keep:
+        flags.append("--deadpool-keep-model")
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(n),
            "--spares", "1", str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
     start = time.time()
@@ -108,6 +108,22 @@ def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, rebuild: bo
         out["cpu_s_max"] = done_ev.get("cpu_s_max")  # the busiest process's CPU seconds
         out["cpu_s_mean"] = done_ev.get("cpu_s_mean")
         out["victim"] = victim
+    return out
+
+
+def keep_model_run(a: argparse.Namespace, n: int, work: Path, digest: str | None) -> dict:
+    """The same failure with --deadpool-keep-model; a job that fails is recorded as such."""
+    try:
+        kept = job(a, n, work / f"n{n}" / "keep", failure=True, keep=True)
+    except SystemExit as why:
+        print(f"{n:>3} processes, survivors keeping their model: FAILED ({why})", flush=True)
+        return {"failed": str(why)}
+    out = {k: kept[k] for k in ("recovery_s", "phases", "iteration_s")}
+    out["bitwise_equal"] = kept["digest"] == digest if digest else None
+    print(f"{n:>3} processes, survivors keeping their model: recovery {kept['recovery_s']:.2f} s "
+          f"(rebuild_model {kept['phases']['rebuild_model']:.2f}, first_iteration "
+          f"{kept['phases']['first_iteration']:.2f}), bitwise equal to the twin: "
+          f"{out['bitwise_equal']}", flush=True)  # fmt: skip
     return out
 
 
@@ -160,15 +176,15 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
             "processes": counts,
         },
         "bitwise_equal": {str(n): runs[n].get("bitwise_equal") for n in counts},
-        # The same failure with every survivor building its model again (the baseline).
-        "recovery_s_rebuild": {
-            str(n): runs[n]["rebuild"]["recovery_s"] for n in counts if "rebuild" in runs[n]
+        # The same failure with survivors keeping their model (None: that job failed).
+        "recovery_s_keep_model": {
+            str(n): runs[n]["keep"].get("recovery_s") for n in counts if "keep" in runs[n]
         }
         or None,
-        "phases_s_rebuild": {
-            str(n): {k: round(v, 3) for k, v in runs[n]["rebuild"]["phases"].items()}
+        "phases_s_keep_model": {
+            str(n): {k: round(v, 3) for k, v in runs[n]["keep"]["phases"].items()}
             for n in counts
-            if "rebuild" in runs[n]
+            if "phases" in runs[n].get("keep", {})
         }
         or None,
         "shape": "TP1xPP2xDP(N/2), 1 spare",
@@ -196,11 +212,11 @@ def plot(summary: dict, path: Path) -> None:
     for i, n in enumerate(counts):
         ax.annotate(f"{summary['recovery_s'][str(n)]:.2f} s", (i, bottom[i]), ha="center",
                     va="bottom", fontsize=8)  # fmt: skip
-    rebuild = summary.get("recovery_s_rebuild") or {}
-    if rebuild:
-        xs = [i for i, n in enumerate(counts) if str(n) in rebuild]
-        ax.plot(xs, [rebuild[str(counts[i])] for i in xs], "kx--",
-                label="survivors rebuilding their model (baseline)")  # fmt: skip
+    keep = {n: s for n, s in (summary.get("recovery_s_keep_model") or {}).items() if s}
+    if keep:
+        xs = [i for i, n in enumerate(counts) if str(n) in keep]
+        ax.plot(xs, [keep[str(counts[i])] for i in xs], "kx--",
+                label="--deadpool-keep-model: survivors keep their model")  # fmt: skip
     ax.set_xlabel("processes (TP1 x PP2 x DP N/2)")
     ax.set_ylabel("failure to first resumed iteration (s)")
     ax.set_title("Hot-swap recovery by job size (CPU, gloo, one killed rank)\n"
@@ -224,16 +240,8 @@ def main(argv=None) -> int:
         if not a.no_twins:
             twin = job(a, n, work / f"n{n}" / "free", failure=False)
             failed["bitwise_equal"] = failed["digest"] == twin["digest"]
-        if not a.no_rebuild_baseline:
-            base = job(a, n, work / f"n{n}" / "rebuild", failure=True, rebuild=True)
-            failed["rebuild"] = {k: base[k] for k in ("recovery_s", "phases", "iteration_s")}
-            if not a.no_twins:
-                base["bitwise_equal"] = base["digest"] == twin["digest"]
-                failed["rebuild"]["bitwise_equal"] = base["bitwise_equal"]
-            print(f"{n:>3} processes, survivors rebuilding: recovery {base['recovery_s']:.2f} s "
-                  f"(rebuild_model {base['phases']['rebuild_model']:.2f}, first_iteration "
-                  f"{base['phases']['first_iteration']:.2f}), bitwise equal to the twin: "
-                  f"{base.get('bitwise_equal')}", flush=True)  # fmt: skip
+        if not a.no_keep_model_run:
+            failed["keep"] = keep_model_run(a, n, work, twin["digest"] if not a.no_twins else None)
         runs[n] = failed
         ph = failed["phases"]
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("

@@ -109,9 +109,14 @@ def _recorder(fn, name: str, calls: list[Call], roles: dict):
     return record
 
 
-def replayable(calls: list[Call] | None) -> bool:
-    """Whether a build's record can be replayed (recorded, every group named)."""
-    return calls is not None and all(call.role is not None for call in calls)
+def unreplayable(calls: list[Call] | None) -> str | None:
+    """Why a build's record cannot be replayed (not recorded, a group with no role), or None."""
+    if calls is None:
+        return "its build was not recorded"
+    unnamed = [c.name for c in calls if c.role is None]
+    if unnamed:
+        return f"its build ran {', '.join(unnamed[:3])} on a group megatron-core does not name"
+    return None
 
 
 def replay(calls: list[Call]) -> int:

@@ -70,8 +70,13 @@ class ProtectedLoop(LoopHooks):
 
     # -- the hook API --------------------------------------------------------------------------
     def after_setup(self, model: list, optimizer, scheduler) -> None:
-        """Generation 0 is built (and loaded): protect it from the loop's iteration on."""
-        self.start(train_state(model, optimizer, scheduler), self.position.iteration)
+        """Generation 0 is built (and loaded): protect it from the loop's iteration on. The
+        loop's own state when it holds these objects (it carries the record of their build,
+        which a survivor replays with --deadpool-keep-model)."""
+        held = getattr(self.position, "state", None)
+        if held is None or held.model != list(model) or held.optimizer is not optimizer:
+            held = train_state(model, optimizer, scheduler)
+        self.start(held, self.position.iteration)
 
     def before_step(self, iteration: int) -> None:
         self.phase(iteration + 1, "forward")

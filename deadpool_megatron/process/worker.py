@@ -107,7 +107,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
     guard = recovery = watcher = None
     dpc = cfg.deadpool
     if takeover is not None or ((dpc.deadpool or dpc.deadpool_inject) and env.under_launcher):
-        keep = not dpc.deadpool_rebuild_model
+        keep = dpc.deadpool_keep_model
         guard, recovery, watcher = watch(cfg, env, store, progress, takeover, keep)
     events = guard.events if guard is not None else EventLog(dpc.deadpool_event_log, env.rank)
     faults = restart_faults(cfg, env, events) if guard is None and dpc.deadpool_inject else None

@@ -64,7 +64,7 @@ from ..errors import DeadpoolError
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import gloo_ops, parallel
-from ..megatron.build_calls import replay, replayable
+from ..megatron.build_calls import replay, unreplayable
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import group_roles, live_groups, stale_groups
@@ -395,8 +395,9 @@ class ProcessRecovery:
         if kept is None:
             return None
         try:
-            if spares_build and not replayable(kept.state.build_calls):
-                raise CannotRebind("its build's collectives were not recorded, and a spare builds")
+            why_not = unreplayable(kept.state.build_calls) if spares_build else None
+            if why_not:
+                raise CannotRebind(f"a spare builds, and {why_not}")
             swapped = rebind(kept.state, roles)
         except CannotRebind as why:
             log.warning("building the model again: %s", why)

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from deadpool_megatron.megatron import parallel
-from deadpool_megatron.megatron.build_calls import replay, replayable
 from deadpool_megatron.megatron.arguments import parse_job_args
-from deadpool_megatron.megatron.groups import live_groups, stale_groups
+from deadpool_megatron.megatron.build_calls import replay, unreplayable
+from deadpool_megatron.megatron.groups import group_roles, live_groups, stale_groups
 from deadpool_megatron.megatron.model import build_train_state, rehook, unhook
-from deadpool_megatron.megatron.rebind import CannotRebind, group_roles, rebind
+from deadpool_megatron.megatron.rebind import CannotRebind, rebind
 
 
 def main(unknown: bool) -> dict:
@@ -45,7 +45,7 @@ def main(unknown: bool) -> dict:
     out["layer_group_unchanged"] = layer.tp_group is before
     out["hooks"] = sum(map(len, state.hook_tables))
     out["build_calls"] = [(c.name, c.role) for c in state.build_calls]
-    out["replayable"] = replayable(state.build_calls)
+    out["unreplayable"] = unreplayable(state.build_calls)
     if "swapped" in out:  # the new generation's groups meet the build's collectives again
         out["replayed"] = replay(state.build_calls)
     return out

@@ -200,6 +200,21 @@ def test_tp_rank_swap_on_the_demo_shape_leaves_no_stale_group(tmp_path, baseline
     assert "none from before" in result.output
 
 
+def test_survivors_keeping_their_model_meet_two_spares_and_a_reset_bitwise(tmp_path, baseline_3d):
+    # --deadpool-keep-model: survivors swap their groups instead of building; each spare's build
+    # is met by the survivors' replayed build collectives (DDP's broadcasts, the tied
+    # embeddings' all-reduce, the optimizer's key gathering); the second spare replaces a rank
+    # whose survivors include the first spare. A transient error last: nobody builds.
+    faults = "kill@3:4:backward,kill@6:7:forward,raise@1:9:optimizer"
+    extra = ["--deadpool-keep-model", "--deadpool-verify-groups"]
+    result, events = _run(tmp_path, 8, SHAPE_3D, faults, spares=2, extra=extra)
+    _assert_same_run(result, baseline_3d)
+    done = _assert_recovered(events, recoveries=3)
+    assert [d["replaced"] for d in done] == [{"3": "spare-0"}, {"6": "spare-1"}, {}]
+    assert result.output.count("kept the model") >= 7 + 7 + 8  # survivors of each recovery
+    assert "none from before" in result.output
+
+
 def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2):
     result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:4,kill@2:8", spares=2)
     _assert_same_run(result, baseline_pp2)
