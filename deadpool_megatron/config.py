@@ -267,9 +267,9 @@ class DeadpoolConfig:
         "At a recovery, survivors keep their model, DDP and optimizer and only swap the "
         "process groups they hold for the new generation's (a spare still builds its own; "
         "survivors repeat their build's collectives to meet it). Experimental: on the 2-core "
-        "development machine it did not shorten recoveries of 4-16 processes, and two "
-        "32-process runs hung in the recovery (see the README). Without it every process "
-        "builds them again; patched Megatron-LM's pretrain() always does.",
+        "development machine it did not shorten recoveries of 4-16 processes (see the "
+        "README). Without it every process builds them again; patched Megatron-LM's "
+        "pretrain() always does.",
     )
     deadpool_verify_groups: bool = knob(
         False,
