@@ -99,11 +99,14 @@ def _recorder(fn, name: str, calls: list[Call], roles: dict):
     signature = inspect.signature(fn)
 
     def record(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        group = arguments.pop("group", None)
-        role = WORLD if group is None else roles.get(id(group), (None,))[0]
-        calls.append(Call(name, role, {k: _freeze(v) for k, v in arguments.items()}))
+        try:
+            arguments = dict(signature.bind(*args, **kwargs).arguments)
+            group = arguments.pop("group", None)
+            role = WORLD if group is None else roles.get(id(group), (None,))[0]
+            calls.append(Call(name, role, {k: _freeze(v) for k, v in arguments.items()}))
+        except Exception:  # recording never breaks a build: the record is only unreplayable
+            log.debug("could not record %s", name, exc_info=True)
+            calls.append(Call(name, None, {}))
         return fn(*args, **kwargs)
 
     return record

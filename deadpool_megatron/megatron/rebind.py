@@ -1,5 +1,6 @@
-"""A survivor keeps its model, DDP, optimizer and scheduler through a recovery: only the
-process groups they hold are swapped for the new generation's.
+"""A survivor keeps its model, DDP, optimizer and scheduler through a recovery
+(--deadpool-keep-model): only the process groups they hold are swapped for the new
+generation's.
 
 Building them again cost every survivor the model's construction, DDP's buffers and the
 optimizer's (0.22 s a process at 8 processes, 4.3 s at 32 on this machine, where every

@@ -9,11 +9,11 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
 2. await order / report holdings: publish what it holds for the ordered generation;
 3. await plan: the agent's plan for that generation, or why nothing can be recovered;
 4. rebuild: tear down every group, meet everyone of the generation on the store, build
-   torch.distributed and megatron-core's groups on the generation's store prefix; a survivor
-   keeps its model and optimizer and swaps the groups they hold for the new ones
-   (megatron/rebind.py), a spare builds them (no group from before stays reachable from
-   training either way); in patched Megatron-LM, after the same reset, its pretrain()
-   builds them (process/upstream.py);
+   torch.distributed and megatron-core's groups on the generation's store prefix, then the
+   model and optimizer (nothing built before stays reachable from training); with
+   --deadpool-keep-model a survivor keeps its model and optimizer and swaps the groups they
+   hold for the new ones instead (megatron/rebind.py); in patched Megatron-LM, after the same
+   reset, its pretrain() builds them (process/upstream.py);
 5. restore: roll back to its own snapshot of the plan's iteration, or, for a spare, receive
    the parameters from one DP peer and the optimizer shard from one ring successor;
 6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
