@@ -1,7 +1,8 @@
 """One process (world 1, gloo) builds generation 0's groups and a real GPT train state, keeps
 the state through a teardown, builds generation 1's groups, rebinds the state to them and
-replays its build's collectives on them; prints what it found as JSON. With `unknown`, the state also holds a group megatron-core does
-not know (no role): the rebind must refuse and leave the state as it was."""
+replays its build's collectives on them; prints what it found as JSON. With `unknown`, the
+state also holds a group megatron-core does not know (no role): the rebind must refuse and
+leave the state as it was."""
 
 from __future__ import annotations
 
