@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from deadpool_megatron.metrics import read_executions, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300
+SIGNIFICANT = re.compile(r" (WARNING|ERROR|CRITICAL) |Traceback|Error\b|Exception\b|\]:   File ")
 
 
 @dataclass
@@ -28,6 +30,15 @@ class JobResult:
     @property
     def digest(self) -> str | None:
         return self.final["state_digest"] if self.final else None
+
+    def failure(self, limit: int = 8000) -> str:
+        """What a failed job's output says about why: its warning, error and traceback lines
+        from the first (a spare's crash is otherwise scrolled away by the survivors' echoes of
+        it), then the output's end, `limit` characters at most in all."""
+        marked = [line[:240] for line in self.output.splitlines() if SIGNIFICANT.search(line)]
+        head = "\n".join(marked)[: limit // 2]  # the first ones: the cause comes before its echoes
+        tail = self.output[-(limit - len(head)) :]
+        return f"{len(marked)} warning/error line(s), the first:\n{head}\n--- output's end:\n{tail}"
 
 
 def launch_cmd(

@@ -87,6 +87,8 @@ def watch(
         protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
         keep_model=keep_model,
     )  # fmt: skip
+    if takeover is not None:
+        recovery.joining(takeover.generation)  # not a new order to its watcher
     watcher = None
     if dpc.deadpool:
         watcher = OrderWatcher(

@@ -271,11 +271,17 @@ class ProcessRecovery:
         except Exception as e:
             raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {e}") from e
 
-    def takeover_plan(self, generation: int) -> RecoveryPlan:
-        """A claimed spare's stages 2-3: the plan that seats it; raises RecoveryFailed."""
+    def joining(self, generation: int) -> None:
+        """A claimed spare: the order it was claimed for is known (before its order watcher
+        starts, which would otherwise take that order, or an older one, for a new one and
+        abort the communicators the takeover is building)."""
         if generation - 1 > self.ctx.generation:
             self.ctx.advance(generation - 1)  # the generation the job is leaving
         self.ctx.see_order(generation)
+
+    def takeover_plan(self, generation: int) -> RecoveryPlan:
+        """A claimed spare's stages 2-3: the plan that seats it; raises RecoveryFailed."""
+        self.joining(generation)
         self._begin(0)
         try:
             plan = self.await_plan(generation)

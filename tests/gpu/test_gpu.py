@@ -81,11 +81,11 @@ def _events(tmp_path):
 def test_transient_error_in_a_single_process_nccl_job_resets_in_place_bitwise(tmp_path):
     args = [*SINGLE, "--train-iters", "12", "--deadpool"]
     baseline = run_job(tmp_path, 1, args, name="baseline")
-    assert baseline.returncode == 0, baseline.output[-3000:]
+    assert baseline.returncode == 0, baseline.failure()
     log = tmp_path / "events.jsonl"
     result = run_job(tmp_path, 1, [*args, "--deadpool-inject", "raise@0:6:backward",
                                    "--deadpool-event-log", str(log)])  # fmt: skip
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert "backend nccl" in result.output
     assert result.losses == baseline.losses and result.digest == baseline.digest
     (done,) = [e for e in _events(tmp_path) if e["event"] == "recovery_done"]
@@ -100,8 +100,8 @@ def test_bf16_transformer_engine_job_protected_for_50_iterations_equals_unprotec
     pytest.importorskip("transformer_engine", reason="transformer-engine is not installed")
     args = [*SINGLE, "--train-iters", "50", "--bf16", "--transformer-impl", "transformer_engine"]
     plain = run_job(tmp_path, 1, args, name="plain")
-    assert plain.returncode == 0, plain.output[-3000:]
+    assert plain.returncode == 0, plain.failure()
     protected = run_job(tmp_path, 1, [*args, "--deadpool"], name="protected")
-    assert protected.returncode == 0, protected.output[-3000:]
+    assert protected.returncode == 0, protected.failure()
     assert "with the transformer_engine layer spec" in protected.output
     assert protected.losses == plain.losses and protected.digest == plain.digest

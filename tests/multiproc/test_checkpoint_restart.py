@@ -20,7 +20,7 @@ SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-paral
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base"), 4, SHAPE_PP2, name="baseline")
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     return result
 
 
@@ -34,7 +34,7 @@ def _restart_run(tmp_path, spec: str):
 
 def test_kill_during_training_restarts_from_the_checkpoint_bitwise(tmp_path, baseline):
     result, events = _restart_run(tmp_path, "kill@3:8")
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     (restart,) = [e for e in events if e["event"] == "job_restart"]
     assert restart["reason"] == "failure of rank 3"
@@ -49,7 +49,7 @@ def test_under_torchrun_a_kill_restarts_from_the_checkpoint_bitwise(tmp_path, ba
     args = [*SHAPE_PP2, "--save", ckpt, "--load", ckpt, "--save-interval", "5",
             "--deadpool-inject", "kill@3:8", "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, torchrun_restarts=1)
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
     assert [e["fault"] for e in events if e["event"] == "fault_injected"] == ["kill@3:8:forward"]
@@ -61,7 +61,7 @@ def test_under_torchrun_a_kill_restarts_from_the_checkpoint_bitwise(tmp_path, ba
 def test_kill_during_a_save_never_loads_the_incomplete_checkpoint(tmp_path, baseline):
     # Rank 2 dies after writing its shard of iteration 10, before the checkpoint is complete.
     result, events = _restart_run(tmp_path, "kill@2:10:save")
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     (loaded,) = [e for e in events if e["event"] == "checkpoint_loaded"]
     assert loaded["iteration"] == 5
@@ -71,12 +71,12 @@ def test_unrecoverable_hot_swap_falls_back_to_the_checkpoint(tmp_path):
     # DP4, K=1: ranks 1 and 2 (ring neighbours) die together, so rank 1's optimizer shard is
     # lost from memory; with --save the job restarts from its checkpoint instead of stopping.
     base = run_job(tmp_path, 4, SHAPE_DP4, name="baseline")
-    assert base.returncode == 0, base.output[-3000:]
+    assert base.returncode == 0, base.failure()
     log = tmp_path / "events.jsonl"
     args = [*SHAPE_DP4, "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
             "--deadpool-inject", "kill@1:5,kill@2:5", "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=2)
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == base.losses and result.digest == base.digest
     assert "falling back to the persistent checkpoint" in result.output
     events = read_events(str(log))
@@ -89,12 +89,12 @@ def test_async_save_restarts_from_a_committed_checkpoint_bitwise(tmp_path):
     # the restart loads the newest committed one (never one still being written).
     shape = [*SHAPE_PP2, "--train-iters", "40"]
     base = run_job(tmp_path, 4, shape, name="baseline")
-    assert base.returncode == 0, base.output[-3000:]
+    assert base.returncode == 0, base.failure()
     log = tmp_path / "events.jsonl"
     args = [*shape, "--save", str(tmp_path / "ckpt"), "--save-interval", "5", "--async-save",
             "--deadpool-inject", "kill@3:30", "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, launcher=["--restart-policy", "full"])
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == base.losses and result.digest == base.digest
     (loaded,) = [e for e in read_events(str(log)) if e["event"] == "checkpoint_loaded"]
     assert loaded["iteration"] in (5, 10, 15, 20, 25), loaded

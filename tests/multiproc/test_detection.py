@@ -32,7 +32,7 @@ SHAPE = [*DEFAULTS, "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbea
 def baseline(tmp_path_factory):
     """The failure-free run the jobs that recover are compared with, bit for bit."""
     result = run_job(tmp_path_factory.mktemp("base"), 4, [*SHAPE, "--train-iters", "40"])
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     return result
 
 
@@ -83,7 +83,7 @@ def test_a_process_frozen_from_outside_is_fenced_and_replaced(tmp_path, baseline
     result, pid, stopped_at = run_job_and_kill(
         tmp_path, 4, args, victim_rank=2, after_iteration=8, signum=signal.SIGSTOP, spares=1
     )
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
     detected = _only(events, "failure_detected")
@@ -100,7 +100,7 @@ def test_raise_is_classified_transient_and_reset_in_place(tmp_path, baseline):
     # raised in the replication thread, which the training thread never sees: the thread
     # reports it itself. Each is a transient failure, reset in place with no spare.
     result, events = _inject(tmp_path, "raise@1:4:optimizer,raise@2:12:replicate")
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     detected = [e for e in events if e["event"] == "failure_detected"]
     assert [(d["rank"], d["kind"], d["evidence"]) for d in detected] == [
@@ -120,7 +120,7 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     secret = new_secret()
     result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job],
                      env={ENV_JOB_SECRET: secret})  # fmt: skip
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
     detected = _only(events, "failure_detected")
@@ -147,7 +147,7 @@ def test_slow_phases_are_suspected_never_fenced_and_join_a_recovery(tmp_path, ba
     # next phase boundary, and no spare is used.
     spec = "slow@1:3,slow@1:7:snapshot,raise@3:7:replicate"
     result, events = _inject(tmp_path, spec, spares=1)
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     assert result.output.count("slow phase over") == 2
     detected = _only(events, "failure_detected")
@@ -185,7 +185,7 @@ def test_healthy_job_with_saves_on_a_machine_with_every_core_busy_is_never_accus
         for h in hogs:
             h.kill()
             h.join(10)
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     events = read_events(str(log))
     assert [e for e in events if e["event"] in ("failure_detected", "fenced")] == []
     assert result.losses == baseline.losses and result.digest == baseline.digest
@@ -207,7 +207,7 @@ def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_p
     args = [*SHAPE, "--train-iters", "40", "--deadpool-chaos-mtbf", "4",
             "--deadpool-chaos-seed", "991", "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=4)
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
     assert all(isinstance(e["generation"], int) for e in events), events

@@ -35,28 +35,28 @@ RANK_PHASES = ("rebuild_communicators", "rebuild_model", "transfer_state", "veri
 @pytest.fixture(scope="module")
 def baseline_pp2(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base_pp2"), 4, SHAPE_PP2, name="baseline")
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     return result
 
 
 @pytest.fixture(scope="module")
 def baseline_dropout(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base_dropout"), 4, SHAPE_DROPOUT, name="baseline")
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     return result
 
 
 @pytest.fixture(scope="module")
 def baseline_3d(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base_3d"), 8, SHAPE_3D, name="baseline")
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     return result
 
 
 @pytest.fixture(scope="module")
 def baseline_dp4(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base_dp4"), 4, SHAPE_DP4, name="baseline")
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     return result
 
 
@@ -73,7 +73,7 @@ def _named(events, name):
 
 
 def _assert_same_run(result, baseline):
-    assert result.returncode == 0, result.output[-4000:]
+    assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses  # every iteration, replayed ones included
     assert result.digest == baseline.digest
     for iteration, runs in result.executions.items():  # a replay's loss equals the original's
@@ -156,7 +156,7 @@ def test_interleaved_schedule_with_dropout_survives_a_hot_swap_and_a_reset_bitwi
     # Rank 2 (last stage, both of its virtual stages) dies in iteration 6; rank 0 raises in
     # iteration 9 and is reset in place from its own snapshot.
     baseline = run_job(tmp_path, 4, SHAPE_INTERLEAVED, name="baseline")
-    assert baseline.returncode == 0, baseline.output[-3000:]
+    assert baseline.returncode == 0, baseline.failure()
     spec = "kill@2:6:backward,raise@0:9:forward"
     result, events = _run(tmp_path, 4, SHAPE_INTERLEAVED, spec, spares=1)
     _assert_same_run(result, baseline)
@@ -169,7 +169,7 @@ def test_fused_adam_step_kept_in_param_groups_survives_a_hot_swap_bitwise(tmp_pa
     # sets it to 1, so only the snapshot's param groups carry the true count (bias correction).
     script = ROOT / "tests" / "drivers" / "fused_adam_gpt.py"
     baseline = run_job(tmp_path, 4, SHAPE_PP2, name="baseline", script=script)
-    assert baseline.returncode == 0, baseline.output[-3000:]
+    assert baseline.returncode == 0, baseline.failure()
     result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:7", spares=1, script=script)
     _assert_same_run(result, baseline)
     (done,) = _assert_recovered(events)
@@ -181,7 +181,7 @@ def test_bf16_hot_swap_restores_the_fp32_main_parameters_bitwise(tmp_path):
     # spare's bf16 model copy comes from a DP peer, the low-precision image of the same step.
     shape = [*SHAPE_PP2, "--bf16"]
     baseline = run_job(tmp_path, 4, shape, name="baseline")
-    assert baseline.returncode == 0, baseline.output[-3000:]
+    assert baseline.returncode == 0, baseline.failure()
     result, events = _run(tmp_path, 4, shape, "kill@2:6:backward", spares=1)
     _assert_same_run(result, baseline)
     (done,) = _assert_recovered(events)
@@ -253,7 +253,7 @@ def test_single_process_job_with_local_snapshots_only_resets_a_transient_error_b
     shape = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
              "--train-iters", "10", "--deadpool", "--deadpool-replicas", "0", *HEARTBEATS]  # fmt: skip
     baseline = run_job(tmp_path, 1, shape, name="baseline")
-    assert baseline.returncode == 0, baseline.output[-3000:]
+    assert baseline.returncode == 0, baseline.failure()
     result, events = _run(tmp_path, 1, shape, "raise@0:6:backward", spares=0)
     _assert_same_run(result, baseline)
     (done,) = _assert_recovered(events)
@@ -311,7 +311,7 @@ def test_rank_failing_its_health_check_is_fenced_and_replaced(tmp_path):
     # but unfit, so it is killed and a spare takes its place.
     shape = [*SHAPE_PP2, "--train-iters", "30", "--deadpool-health-check-interval", "0.3"]
     base = run_job(tmp_path, 4, shape, name="baseline")
-    assert base.returncode == 0, base.output[-3000:]
+    assert base.returncode == 0, base.failure()
     result, events = _run(tmp_path, 4, shape, "unhealthy@1:5", spares=1)
     _assert_same_run(result, base)
     (detected,) = _named(events, "failure_detected")

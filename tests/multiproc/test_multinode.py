@@ -37,14 +37,14 @@ LONG = [("60" if a == "14" else a) for a in SHAPE]  # --train-iters 60
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     base = run_job(tmp_path_factory.mktemp("base_dp6"), 6, SHAPE, name="baseline")
-    assert base.returncode == 0, base.output[-3000:]
+    assert base.returncode == 0, base.failure()
     return base
 
 
 @pytest.fixture(scope="module")
 def baseline_long(tmp_path_factory):
     base = run_job(tmp_path_factory.mktemp("base_dp6_long"), 6, LONG, name="baseline")
-    assert base.returncode == 0, base.output[-3000:]
+    assert base.returncode == 0, base.failure()
     return base
 
 

@@ -43,8 +43,8 @@ def runs_interleaved(tmp_path_factory):
 
 def test_3d_parallel_runs_are_bitwise_identical_and_learn(runs_3d):
     a, b = runs_3d
-    assert a.returncode == 0, a.output[-3000:]
-    assert b.returncode == 0, b.output[-3000:]
+    assert a.returncode == 0, a.failure()
+    assert b.returncode == 0, b.failure()
     assert sorted(a.losses) == list(range(1, 21))
     assert a.losses == b.losses
     assert a.digest is not None and a.digest == b.digest
@@ -61,15 +61,15 @@ def test_spare_registers_idles_and_exits_when_the_job_ends(runs_3d):
 
 def test_interleaved_schedule_is_deterministic_and_learns(runs_interleaved):
     (a, b), _, _ = runs_interleaved
-    assert a.returncode == 0, a.output[-3000:]
+    assert a.returncode == 0, a.failure()
     assert a.losses == b.losses and a.digest == b.digest
     assert _loss(a, 12) < _loss(a, 1) - 0.5
 
 
 def test_resume_from_checkpoint_is_bitwise_identical(runs_interleaved):
     (a, _), first, resumed = runs_interleaved
-    assert first.returncode == 0, first.output[-3000:]
-    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert first.returncode == 0, first.failure()
+    assert resumed.returncode == 0, resumed.failure()
     assert "loaded checkpoint of iteration 5" in resumed.output
     assert sorted(first.losses) == [1, 2, 3, 4, 5]
     assert sorted(resumed.losses) == list(range(6, 13))
@@ -82,7 +82,7 @@ def test_killed_worker_ends_the_job_with_one_clear_line(tmp_path):
     result, pid, _ = run_job_and_kill(tmp_path, 4, args, victim_rank=3, after_iteration=2)
     assert result.returncode == 1
     line = f"worker rank 3 (pid {pid}) was killed by signal SIGKILL; ending the job"
-    assert result.output.count(line) == 1, result.output[-3000:]
+    assert result.output.count(line) == 1, result.failure()
     assert result.output.count("ending the job") == 1
 
 
@@ -102,6 +102,6 @@ def test_indexed_dataset_trains_tp2_dp2(tmp_path):
             "--data-path", str(prefix), "--tokenizer-type", "ByteLevelTokenizer",
             "--vocab-size", "258", "--data-cache-path", str(tmp_path / "cache")]  # fmt: skip
     result = run_job(tmp_path, 4, args)
-    assert result.returncode == 0, result.output[-3000:]
+    assert result.returncode == 0, result.failure()
     assert sorted(result.losses) == list(range(1, 16))
     assert _loss(result, 15) < _loss(result, 1) - 1.0

@@ -20,9 +20,12 @@ from deadpool_megatron.control.messages import (
     PlanDecision,
     RankHoldings,
     Recovered,
+    RecoveryOrder,
     RecoveryPlan,
 )
+from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressBoard
+from deadpool_megatron.process.watcher import OrderWatcher
 from deadpool_megatron.recovery.stages import (
     ProcessRecovery,
     RecoveryFailed,
@@ -36,6 +39,7 @@ from deadpool_megatron.runtime import ProcessEnv
 
 JOB = "stages-test"
 TIMEOUTS = StageTimeouts(stop_s=1.0, order_s=5.0, plan_s=5.0, rendezvous_s=5.0)
+POLICY = HangPolicy(heartbeat_timeout_s=2.0, floor_s=10.0, factor=5.0, slow_phase_s=100.0)
 
 
 class FakeTime:
@@ -305,3 +309,24 @@ def test_a_model_something_else_keeps_stays_reported_and_its_groups_are_still_re
     kept.clear()
     gc.collect()
     assert alive() is None and [n for n, _ in closed] == ["world"]
+
+
+def test_a_claimed_spares_watcher_takes_only_a_newer_order_than_the_one_it_joins(kv):
+    # Claimed into generation 3 (orders 1-3 on the store). Its watcher started before the
+    # takeover knew that order, and its first looks took orders 1-3 for new ones: each aborted
+    # the communicators the takeover was building (seen in CI: the spare failed with
+    # "communication aborted" in its model build, and the job ran out of spares).
+    time_ = FakeTime()
+    recovery, ctx = make(kv, time_, rank=3)
+    for generation in (1, 2, 3):
+        kv.set(keys.recovery_order(JOB, generation), RecoveryOrder("rank 3 exited", (3,)).encode())
+    recovery.joining(3)
+    watcher = OrderWatcher(ctx, recovery.abort.abort, ProgressBoard(), POLICY, lambda: True,
+                           clock=time_.clock)  # fmt: skip
+    for _ in range(4):
+        watcher.poll_once()
+    assert recovery.abort.aborts == 0
+    assert ctx.ordered == 3 and ctx.generation == 2 and ctx.stopping
+    kv.set(keys.recovery_order(JOB, 4), RecoveryOrder("rank 1 exited", (1,)).encode())
+    watcher.poll_once()  # a failure during the takeover: that one is acted on
+    assert recovery.abort.aborts == 1 and ctx.ordered == 4
