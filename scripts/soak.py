@@ -7,9 +7,10 @@ replicas corrupted in flight, spaced so that no recovery loses two adjacent ring
 once. The job runs with spares and replenishment on (the pool refills as processes are lost);
 a failure-free twin of the same flags runs first. While the soak job runs, each recovery's
 time is read from the event log and every live process that holds a rank is sampled from /proc
-(open file descriptors, threads, RSS) while each generation trains; a generation's last sample
-before the next fault counts. Growth is measured per process, between its first sampled
-generation and its last.
+(open file descriptors, threads, RSS) while each generation trains, once it has collected the
+generation before; a generation's last sample before the next fault counts. Growth is
+measured per process, as the rise of its floor across the generations it was sampled in
+(`growth`).
 
     python scripts/soak.py                       # 8 workers, 2 spares, 30 faults, ~10 min
     python scripts/soak.py --failures 6 --iters-per-failure 4   # the short form (the suite)
@@ -159,6 +160,28 @@ def sample(pid: int) -> Sample | None:
 WORKER_PID = re.compile(r"started worker rank \d+ \(pid (\d+)\)|spare \d+ \(pid (\d+)\) takes over")
 
 
+PROCESS_PID = re.compile(
+    r"started worker rank (\d+) \(pid (\d+)\)|spare (\d+) \(pid (\d+)\) takes over"
+)
+FREED = re.compile(r"^\[(worker|spare) (\d+)\] .* generation (\d+): freed the previous generation")
+
+
+def collected(text: str) -> dict[int, set[int]]:
+    """pid -> the generations in which that process has finished collecting the generation
+    before (its "freed the previous generation" line): until then the left generation's
+    groups are still being released one by one, and a sample would count them."""
+    pids: dict[tuple[str, int], int] = {}
+    for m in PROCESS_PID.finditer(text):
+        label = ("worker", int(m[1])) if m[1] else ("spare", int(m[3]))
+        pids[label] = int(m[2] or m[4])
+    out: dict[int, set[int]] = {}
+    for line in text.splitlines():
+        m = FREED.match(line)
+        if m and (m[1], int(m[2])) in pids:
+            out.setdefault(pids[(m[1], int(m[2]))], set()).add(int(m[3]))
+    return out
+
+
 def worker_pids(log: Path) -> set[int]:
     """Processes that hold a rank, as the launcher's log says: started as a worker, or a spare
     that took one over (an idle spare's memory is not a training process's)."""
@@ -170,9 +193,11 @@ def worker_pids(log: Path) -> set[int]:
 def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: float = 0.5
           ) -> dict[int, dict]:  # fmt: skip
     """Per generation that resumed: its recovery record and its last steady sample of every
-    live process that holds a rank, taken while it trained and before the next fault was
-    injected (so a recovery's teardown and rebuild, or its collection of the generation
-    before, is never what is measured)."""
+    live process that holds a rank, taken while it trained, after the process finished
+    collecting the generation before and before the next fault was injected (so a recovery's
+    teardown and rebuild, or its collection of the generation before, is never what is
+    measured: sampled during it, a process showed up to +60 descriptors and +40 threads that
+    were gone a generation later)."""
     generations: dict[int, dict] = {}
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while proc.poll() is None:
@@ -192,9 +217,11 @@ def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: floa
         g = max(generations)
         disturbed = any(e["event"] in ("fault_injected", "failure_detected")
                         and e.get("generation") == g for e in events)  # fmt: skip
-        if disturbed or "training finished" in log.read_text(errors="replace"):
+        text = log.read_text(errors="replace")
+        if disturbed or "training finished" in text:
             continue
-        workers = worker_pids(log) & set(descendants(proc.pid))
+        done = collected(text)
+        workers = {p for p in worker_pids(log) & set(descendants(proc.pid)) if g in done.get(p, ())}
         samples = [s for s in map(sample, sorted(workers)) if s is not None]
         if samples:
             taken = generations[g]["taken"]
@@ -222,22 +249,35 @@ NO_GROWTH = {"fd_growth": 0, "thread_growth": 0, "rss_growth_mb": 0.0, "rss_grow
 
 
 def growth(generations: dict[int, dict]) -> dict[str, float]:
-    """The largest growth of any process holding a rank, between its first sampled generation
-    and its last (a process that took over a rank counts from its first generation holding it:
-    a process frees the generation it left at that recovery's own collection, so nothing may
-    step up after its first sample)."""
+    """The largest growth of any process holding a rank across the generations it was sampled
+    in. Descriptors and threads: the floor of its later half of samples over the floor of its
+    earlier half, for a process sampled in 3 generations or more. A leak stays and adds up, so
+    it raises the later floor; a left generation that survivors hold one generation longer does
+    not (seen in the short soak after its first recovery: up to +60 descriptors and +42
+    threads, gone at the next collection; what holds it is not known yet). A process sampled twice cannot tell the two apart and is left out.
+    RSS: its last sample over its first, for every process sampled at least twice."""
     per_pid: dict[int, list] = {}
     for g in sorted(generations):
         for s in generations[g]["samples"]:
             per_pid.setdefault(s.pid, []).append(s)
-    followed = {pid: (ss[0], ss[-1]) for pid, ss in per_pid.items() if len(ss) >= 2}
-    if not followed:
+    twice = {pid: ss for pid, ss in per_pid.items() if len(ss) >= 2}
+    followed = {pid: ss for pid, ss in per_pid.items() if len(ss) >= 3}
+    if not twice:
         return dict(NO_GROWTH)
-    rss = [(b.rss_mb - a.rss_mb, a.rss_mb) for a, b in followed.values()]
+    rss = [(ss[-1].rss_mb - ss[0].rss_mb, ss[0].rss_mb) for ss in twice.values()]
     worst_mb, base = max(rss)
+
+    def floor_growth(values: list[int]) -> int:
+        half = (len(values) + 1) // 2
+        return min(values[half:]) - min(values[:half])
+
     return {
-        "fd_growth": max(b.fds - a.fds for a, b in followed.values()),
-        "thread_growth": max(b.threads - a.threads for a, b in followed.values()),
+        "fd_growth": max(
+            (floor_growth([s.fds for s in ss]) for ss in followed.values()), default=0
+        ),
+        "thread_growth": max(
+            (floor_growth([s.threads for s in ss]) for ss in followed.values()), default=0
+        ),
         "rss_growth_mb": round(worst_mb, 1),
         "rss_growth_pct": round(100 * worst_mb / base, 2),
         "processes_followed": len(followed),
