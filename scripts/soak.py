@@ -252,10 +252,10 @@ def growth(generations: dict[int, dict]) -> dict[str, float]:
     """The largest growth of any process holding a rank across the generations it was sampled
     in. Descriptors and threads: the floor of its later half of samples over the floor of its
     earlier half, for a process sampled in 3 generations or more. A leak stays and adds up, so
-    it raises the later floor; a left generation that survivors hold one generation longer does
-    not (seen in the short soak after its first recovery: up to +60 descriptors and +42
-    threads, gone at the next collection; what holds it is not known yet). A process sampled twice cannot tell the two apart and is left out.
-    RSS: its last sample over its first, for every process sampled at least twice."""
+    it raises the later floor; a sample that caught a left generation still being released (up
+    to +60 descriptors and +42 threads in the short soak, gone a generation later) does not.
+    A process sampled twice cannot tell the two apart and is left out. RSS: its last sample
+    over its first, for every process sampled at least twice."""
     per_pid: dict[int, list] = {}
     for g in sorted(generations):
         for s in generations[g]["samples"]:
