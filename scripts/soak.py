@@ -157,9 +157,8 @@ def sample(pid: int) -> Sample | None:
     return Sample(pid, fds, threads, rss_mb)
 
 
-WORKER_PID = re.compile(r"started worker rank \d+ \(pid (\d+)\)|spare \d+ \(pid (\d+)\) takes over")
-
-
+# A process that holds a rank, as the launcher's log names it: started as a worker, or a spare
+# that took one over (an idle spare's memory is not a training process's).
 PROCESS_PID = re.compile(
     r"started worker rank (\d+) \(pid (\d+)\)|spare (\d+) \(pid (\d+)\) takes over"
 )
@@ -167,9 +166,10 @@ FREED = re.compile(r"^\[(worker|spare) (\d+)\] .* generation (\d+): freed the pr
 
 
 def collected(text: str) -> dict[int, set[int]]:
-    """pid -> the generations in which that process has finished collecting the generation
-    before (its "freed the previous generation" line): until then the left generation's
-    groups are still being released one by one, and a sample would count them."""
+    """pid of each process that holds a rank -> the generations in which it has finished
+    collecting the generation before (its "freed the previous generation" line): until then
+    the left generation's groups are still being released one by one, and a sample would
+    count them."""
     pids: dict[tuple[str, int], int] = {}
     for m in PROCESS_PID.finditer(text):
         label = ("worker", int(m[1])) if m[1] else ("spare", int(m[3]))
@@ -180,14 +180,6 @@ def collected(text: str) -> dict[int, set[int]]:
         if m and (m[1], int(m[2])) in pids:
             out.setdefault(pids[(m[1], int(m[2]))], set()).add(int(m[3]))
     return out
-
-
-def worker_pids(log: Path) -> set[int]:
-    """Processes that hold a rank, as the launcher's log says: started as a worker, or a spare
-    that took one over (an idle spare's memory is not a training process's)."""
-    return {
-        int(m[1] or m[2]) for line in log.read_text().splitlines() if (m := WORKER_PID.search(line))
-    }
 
 
 def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: float = 0.5
@@ -220,8 +212,8 @@ def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: floa
         text = log.read_text(errors="replace")
         if disturbed or "training finished" in text:
             continue
-        done = collected(text)
-        workers = {p for p in worker_pids(log) & set(descendants(proc.pid)) if g in done.get(p, ())}
+        live = set(descendants(proc.pid))
+        workers = {pid for pid, done in collected(text).items() if g in done and pid in live}
         samples = [s for s in map(sample, sorted(workers)) if s is not None]
         if samples:
             taken = generations[g]["taken"]
