@@ -13,7 +13,7 @@ measured per process, as the rise of its floor across the generations it was sam
 (`growth`).
 
     python scripts/soak.py                       # 8 workers, 2 spares, 30 faults, ~10 min
-    python scripts/soak.py --failures 6 --iters-per-failure 4   # the short form (the suite)
+    python scripts/soak.py --failures 6 --iters-per-failure 6   # the short form (the suite)
 
 The last line printed is one JSON object: failures, recovered, bitwise_equal, fd_growth,
 thread_growth, rss_growth_mb, rss_growth_pct, false_accusations, models_outlived (a left
@@ -182,7 +182,7 @@ def collected(text: str) -> dict[int, set[int]]:
     return out
 
 
-def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: float = 0.5
+def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: float = 0.2
           ) -> dict[int, dict]:  # fmt: skip
     """Per generation that resumed: its recovery record and its last steady sample of every
     live process that holds a rank, taken while it trained, after the process finished

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1500)]
 def test_short_soak_recovers_every_fault_bitwise(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "soak.py"), "--nproc", "4", "--tp", "1",
-         "--failures", "6", "--iters-per-failure", "4", "--out", str(tmp_path)],
+         "--failures", "6", "--iters-per-failure", "6", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=1400,
     )  # fmt: skip
     assert done.stdout.strip(), done.stderr[-3000:]
