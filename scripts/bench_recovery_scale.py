@@ -3,14 +3,15 @@
 
 The same tiny GPT (so that 32 processes fit this machine) trains in TP1 x PP2 x DP(N/2) with
 one spare for each N of --nprocs; rank N/2 - 1 (the first pipeline stage's last DP rank) is
-killed in iteration --fail-at and hot-swapped. For each N the
-event log gives the recovery (failure to first resumed iteration) and its phases; the metrics
-give the normal iteration time, so the first resumed iteration is also a ratio to it. Each
-job's final state digest is compared with a failure-free twin of the same N (--no-twins skips
-them). The same failure is run again with --deadpool-keep-model, where survivors keep their
-model and optimizer and only swap their process groups (--no-keep-model-run skips it; a run
-of it that fails is recorded, not fatal). A least-squares line per phase (seconds = a + b x
-processes) says what grows.
+killed in iteration --fail-at and hot-swapped. For each N the event log gives the recovery
+(failure to first resumed iteration) and its phases; the metrics give the normal iteration
+time, so the first resumed iteration (from the last rank's resume to its end everywhere; how
+far apart the ranks resumed is `resume_skew_s`) is also a ratio to it. Each job's final state
+digest is compared with a failure-free twin of the same N (--no-twins skips them). The same
+failure is run again with --deadpool-keep-model, where survivors keep their model and
+optimizer and only swap their process groups (--no-keep-model-run skips it; a run of it that
+fails is recorded, not fatal). A least-squares line per phase (seconds = a + b x processes)
+says what grows.
 
     python scripts/bench_recovery_scale.py                   # 4, 8, 16, 32 processes
     python scripts/bench_recovery_scale.py --nprocs 4,8      # a quick look
@@ -108,6 +109,8 @@ def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, keep: bool 
         out["cpu_s_max"] = done_ev.get("cpu_s_max")  # the busiest process's CPU seconds
         out["cpu_s_mean"] = done_ev.get("cpu_s_mean")
         out["victim"] = victim
+        # how far apart the ranks resumed (the first iteration is counted from the last)
+        out["resume_skew_s"] = phases.get("resume_skew")
     return out
 
 
@@ -164,6 +167,7 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         "growth_8_to_32": round(recovery[32] / recovery[8], 3) if {8, 32} <= set(counts) else None,
         f"growth_{lo}_to_{hi}_in_iterations": round(in_iters[hi] / in_iters[lo], 3),
         "first_iteration_ratio": {str(n): round(r, 3) for n, r in zip(counts, ratios, strict=True)},
+        "resume_skew_s": {str(n): runs[n].get("resume_skew_s") for n in counts},
         # CPU seconds of the busiest process over the recovery: what it would take where every
         # process has cores of its own, the growth that more cores would not remove.
         "recovery_cpu_s": {str(n): cpu[n] for n in counts},
@@ -246,6 +250,7 @@ def main(argv=None) -> int:
         ph = failed["phases"]
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
               + ", ".join(f"{k} {ph[k]:.2f}" for k in PHASES)
+              + f"; ranks resumed {failed['resume_skew_s'] or 0:.2f} s apart"
               + f"), CPU {failed['cpu_s_max']} s in the busiest process"
               + f", iteration {failed['iteration_s']:.3f} s, bitwise equal to the twin: "
               f"{failed.get('bitwise_equal')}, job {failed['wall_s']:.0f} s", flush=True)  # fmt: skip

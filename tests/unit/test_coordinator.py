@@ -19,7 +19,7 @@ from deadpool_megatron.control.messages import (
     SpareAssignment,
 )
 from deadpool_megatron.events import EventLog, read_events
-from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists
+from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists, rank_phases
 from deadpool_megatron.recovery.plan import Unrecoverable
 from deadpool_megatron.topology import Topology
 
@@ -156,6 +156,10 @@ def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteratio
     events = read_events(str(tmp_path / "ev.jsonl"))
     phases = {e["phase"]: e["duration_s"] for e in events if e["event"] == "recovery_phase"}
     assert phases["rebuild_communicators"] == pytest.approx(0.4)  # the slowest rank's
+    # every rank's first iteration took 0.2 s from its own resume, the ranks resumed 1 s
+    # apart: the iteration itself, from the last resume to the last finish, took 0.2 s
+    assert phases["first_iteration"] == pytest.approx(0.2)
+    assert phases["resume_skew"] == pytest.approx(3.0)
     assert [e["generation"] for e in events if e["event"] == "recovery_done"] == [1]
 
 
@@ -186,3 +190,13 @@ def test_a_finished_recovery_retires_what_the_generations_before_it_wrote_in_etc
     assert store.get(tenth) == b"x"
     assert store.get(keys.recovery_plan(job, 1)) is not None  # the running generation's
     assert MembershipStore(store, job).current().generation == 1
+
+
+def test_the_first_resumed_iteration_is_counted_from_the_last_rank_resumed():
+    # rank 0 resumed at t=10.0 and waited for rank 1 (resumed at 10.3) in its first iteration
+    early = Recovered({"first_iteration": 0.6, "verify": 0.1}, 10.6, 5, 0)
+    late = Recovered({"first_iteration": 0.35, "verify": 0.4}, 10.65, 5, 0)
+    phases = rank_phases([early, late])
+    assert phases["first_iteration"] == pytest.approx(0.35)  # not rank 0's 0.6
+    assert phases["resume_skew"] == pytest.approx(0.3)
+    assert phases["verify"] == pytest.approx(0.4)  # other phases: the slowest rank's
