@@ -104,6 +104,27 @@ class Topology:
         i, n = ring.index(rank), len(ring)
         return [ring[(i - h) % n] for h in range(1, min(k, n - 1) + 1)]
 
+    def ring_edges(self, k: int = 1) -> list[tuple[int, int]]:
+        """Every ring edge of the job (a rank to each of its k successors) as (low, high), in
+        rounds in which no rank has two edges: the order every rank creates the edges' groups.
+
+        A group of two connects only once both of its ranks reach it, so with the edges in
+        plain sorted order each rank's second edge waited for its peer's first, which waited
+        for the next rank's first...: the connections went one after another around each
+        ring. In rounds (a greedy edge colouring), each round's pairs connect at once."""
+        edges = sorted(
+            {tuple(sorted((r, s))) for r in range(self.world_size)
+             for s in self.ring_successors(r, k)}
+        )  # fmt: skip
+        used: dict[int, set[int]] = {}
+        rounds = {}
+        for a, b in edges:
+            taken = used.setdefault(a, set()) | used.setdefault(b, set())
+            rounds[(a, b)] = next(c for c in range(len(edges) + 1) if c not in taken)
+            used[a].add(rounds[(a, b)])
+            used[b].add(rounds[(a, b)])
+        return sorted(edges, key=lambda e: (rounds[e], e))
+
     def unprotected_against_node_loss(self, k: int) -> list[int]:
         """Ranks whose optimizer shard and every one of its k replicas share one node: losing
         that node loses the shard (their DP group does not span nodes enough for k)."""

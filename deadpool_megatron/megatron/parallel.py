@@ -138,8 +138,9 @@ def ring_pairs(topo: Topology, replicas: int) -> dict[int, dist.ProcessGroup]:
     count, and local synchronization names them by the count of groups a process holds, which
     differs between the two ends), but only the two ranks of an edge connect; the others
     return at once (no barrier after creation unless TORCH_DIST_INIT_BARRIER=1). The one
-    order also means no two creations wait on each other in a cycle. megatron-core's DP group
-    is not reused: a group is never shared between threads.
+    order also means no two creations wait on each other in a cycle, and it goes in rounds in
+    which no rank has two edges (`Topology.ring_edges`), so that a round's pairs connect at
+    once. megatron-core's DP group is not reused: a group is never shared between threads.
     """
     me = dist.get_rank()
     expected = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
@@ -148,12 +149,8 @@ def ring_pairs(topo: Topology, replicas: int) -> dict[int, dist.ProcessGroup]:
             f"megatron-core's DP group {expected} differs from the ring "
             f"{topo.dp_group(me)}: unsupported rank order"
         )
-    edges = sorted(
-        {tuple(sorted((r, s))) for r in range(topo.world_size)
-         for s in topo.ring_successors(r, replicas)}
-    )  # fmt: skip
     mine = {}
-    for a, b in edges:
+    for a, b in topo.ring_edges(replicas):
         group = dist.new_group(
             ranks=[a, b], backend="gloo", group_desc=f"DEADPOOL_RING_EDGE_{a}_{b}"
         )

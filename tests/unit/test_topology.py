@@ -78,3 +78,23 @@ def test_shards_a_node_loss_would_take_are_named():
     assert topo.unprotected_against_node_loss(1) == list(range(8))
     # 2 ranks per node: DP peers 0 and 2 are on nodes 0 and 1.
     assert Topology(8, 2, 2, ranks_per_node=2).unprotected_against_node_loss(1) == []
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,k", [(32, 1, 2, 1), (16, 2, 1, 2), (12, 1, 1, 3), (6, 1, 2, 1)]
+)
+def test_ring_edges_come_in_rounds_where_no_rank_has_two(world, tp, pp, k):
+    topo = Topology(world, tp, pp)
+    edges = topo.ring_edges(k)
+    expected = {tuple(sorted((r, s))) for r in range(world) for s in topo.ring_successors(r, k)}
+    assert sorted(edges) == sorted(expected) and len(edges) == len(expected)
+    # walking the order, a round ends where a rank comes again: a group of two connects
+    # once both ranks reach it, so the rounds bound the chain of connections one after
+    # another (plain sorted order: (0,1), (0,15), (1,2), (2,3), ... about one per rank)
+    rounds, seen = 1, set()
+    for a, b in edges:
+        if a in seen or b in seen:
+            rounds, seen = rounds + 1, set()
+        seen |= {a, b}
+    assert rounds <= 2 * k + 1  # a ring's edges need 2 rounds (3 when odd), k rings' 2k + 1
+    assert edges == topo.ring_edges(k)  # the same order on every rank
