@@ -207,7 +207,9 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("time lost per failure (s)")
     ax.set_title("One killed rank, same job, same failure point (CPU, gloo)")
-    ax.legend()
+    top = max(r[key]["lost_s"] for r in results for key, _ in bars)
+    ax.set_ylim(0, top * 1.45)  # room above the bars for the legend
+    ax.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
