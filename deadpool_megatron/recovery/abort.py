@@ -129,7 +129,7 @@ class CutConnections:
         sock = socket.socket(fileno=os.dup(fd))
         sock.setblocking(False)
         with self._lock:
-            self._held[sock.fileno()] = _Held(sock, inode, fd, os.fstat(sock.fileno()).st_ino)
+            self._held[sock.fileno()] = _Held(sock, inode, fd)
             if self._thread is None:
                 stop = threading.Event()
                 thread = threading.Thread(target=self._run, args=(stop,), name="deadpool-drain",
@@ -218,14 +218,13 @@ class _Held:
     sock: socket.socket
     inode: str  # 'socket:[N]'
     gloo_fd: int
-    ino: int
     ours: bool = False  # gloo closed its descriptor: only we read it
 
     def gloo_holds(self) -> bool:
         """Whether gloo's descriptor still names this socket (a closed one's number may have
         been reused by another file: a different inode)."""
         try:
-            return os.fstat(self.gloo_fd).st_ino == self.ino
+            return f"socket:[{os.fstat(self.gloo_fd).st_ino}]" == self.inode
         except OSError:
             return False
 
