@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-preflight", action="store_true",
                         help="Skip the argument check for a script that does not honour "
                         f"{ENV_PREFLIGHT}=1.")  # fmt: skip
+    parser.add_argument("--no-fork-server", action="store_true",
+                        help="Start every worker and spare with its own Python interpreter "
+                        "(each imports torch and megatron-core itself) instead of forking it "
+                        "from this node's fork server, which imports them once. The agent "
+                        "falls back to this by itself where forking is unsafe (the imports "
+                        "started threads or CUDA).")  # fmt: skip
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
     return parser

@@ -26,31 +26,21 @@ from ..runtime import (
     ENV_ROLE,
     ENV_SPARE_INDEX,
     ROLE_WORKER,
+    die_with_parent,
 )
+from .forks import ForkedProcess, ForkServer, ForkServerUnavailable
 
 log = logging.getLogger("deadpool.launch")
 
 TERMINATE_GRACE_S = 5.0
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_the_agent() -> None:
-    """In the child, before exec: the kernel SIGKILLs it when the agent (its parent) dies,
-    however the agent dies, so no orphaned worker keeps ports, memory or a device."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-_AGENT_DEATH = _die_with_the_agent if sys.platform.startswith("linux") else None
+_AGENT_DEATH = die_with_parent if sys.platform.startswith("linux") else None
 
 
 @dataclass
 class Child:
     role: str
     index: int  # global rank for a worker, spare index for a spare
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     board: ProgressBoard  # its progress marks, read from shared memory
     pump: threading.Thread | None = None
     reported: bool = field(default=False)  # its exit was reported (spares)
@@ -84,6 +74,7 @@ class Launch:
     master_addr: str
     world_size: int
     local_world_size: int
+    fork_server: bool = True  # fork children from a preloaded interpreter (forkserver.py)
 
 
 class Children:
@@ -95,6 +86,27 @@ class Children:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.board_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
         self._spawned = 0
+        self._forks: ForkServer | None = None
+        if launch.fork_server:
+            # numpy's import starts its BLAS threads unless told one, and a process with
+            # threads cannot fork; the children's torch threads follow OMP_NUM_THREADS.
+            env = {"OPENBLAS_NUM_THREADS": "1", **self._base_env()}
+            self._forks = ForkServer(env, output=self._printer("[fork server] "))
+
+    @staticmethod
+    def _base_env() -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Several processes share this node's cores: one intra-op thread each, as torchrun does.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _printer(self, prefix: str):
+        def write(line: bytes) -> None:
+            with self._print_lock:
+                sys.stdout.buffer.write(prefix.encode() + line)
+                sys.stdout.buffer.flush()
+
+        return write
 
     def spawn(
         self, role: str, index: int, local_rank: int, env: dict[str, str], extra_args=()
@@ -103,15 +115,12 @@ class Children:
         self._spawned += 1
         board = os.path.join(self.board_dir, f"{self._spawned}-{role}-{index}")
         create_board_file(board)
-        full = dict(os.environ)
+        full = self._base_env()
         full.update(
             MASTER_ADDR=self.launch.master_addr,
             WORLD_SIZE=str(self.launch.world_size),
             LOCAL_WORLD_SIZE=str(self.launch.local_world_size),
-            PYTHONUNBUFFERED="1",
         )
-        # Several processes share this node's cores: one intra-op thread each, as torchrun does.
-        full.setdefault("OMP_NUM_THREADS", "1")
         full.update(env)
         full[ENV_ROLE] = role
         full[ENV_PROGRESS_FILE] = board
@@ -121,15 +130,7 @@ class Children:
         else:
             full[ENV_SPARE_INDEX] = str(index)
             full.pop("RANK", None)
-        proc = subprocess.Popen(
-            [sys.executable, "-u", self.launch.script, *self.launch.script_args, *extra_args],
-            env=full,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_AGENT_DEATH,  # noqa: PLW1509 (a prctl only; the agent forks rarely)
-        )
+        proc = self._start([self.launch.script, *self.launch.script_args, *extra_args], full)
         child = Child(role, index, proc, ProgressBoard(board, writable=False),
                       local_rank=local_rank)  # fmt: skip
         log.info("started %s (pid %d)", child.name, proc.pid)
@@ -137,6 +138,25 @@ class Children:
         child.pump.start()
         self.all.append(child)
         return child
+
+    def _start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedProcess:
+        if self._forks is not None:
+            try:
+                return self._forks.spawn(argv, env)
+            except ForkServerUnavailable as err:
+                log.warning("fork server unusable (%s): starting children with %s",
+                            err, sys.executable)  # fmt: skip
+                self._forks.close()
+                self._forks = None
+        return subprocess.Popen(
+            [sys.executable, "-u", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_AGENT_DEATH,  # noqa: PLW1509 (a prctl only; the agent forks rarely)
+        )
 
     def _pump(self, child: Child) -> None:
         prefix = f"[{child.label}] ".encode()
@@ -169,6 +189,9 @@ class Children:
         self.all.clear()
 
     def close(self) -> None:
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
         shutil.rmtree(self.board_dir, ignore_errors=True)
 
 

@@ -53,7 +53,7 @@ class LocalNodes:
     def kill_agent(self, node: int) -> list[int]:
         """SIGKILL the agent alone; the pids of the processes it had started."""
         agent = psutil.Process(self.procs[node].pid)
-        pids = [c.pid for c in agent.children()]
+        pids = [c.pid for c in agent.children(recursive=True)]  # through its fork server
         agent.send_signal(signal.SIGKILL)
         self.killed[node] = time.time()
         return pids

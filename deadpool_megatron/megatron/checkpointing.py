@@ -11,13 +11,10 @@ identically.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import inspect
 import logging
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from multiprocessing.managers import SyncManager
@@ -30,6 +27,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from ..config import JobConfig
 from ..errors import CheckpointError
+from ..runtime import die_with_parent
 from .cpu_backend import is_active as is_cpu
 from .digest import inner_optimizers
 from .model import TrainState
@@ -97,12 +95,6 @@ _MCORE_ASYNC = (
 )
 
 
-def _die_with_parent() -> None:
-    """In the Manager process: SIGKILL when the worker that started it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _results_queue_that_dies_with_us() -> None:
     """megatron-core's write-results queue lives in a spawned multiprocessing Manager that only
     its finalizer stops: a worker killed outright (a failure, or torchrun stopping the others)
@@ -115,7 +107,7 @@ def _results_queue_that_dies_with_us() -> None:
     main = threading.current_thread() is threading.main_thread()
     if main and getattr(filesystem_async, "_results_queue", None) is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(initializer=_die_with_parent)
+        manager.start(initializer=die_with_parent)  # pickled by name: imports runtime only
         filesystem_async._results_queue = manager.Queue()
 
 

@@ -192,7 +192,9 @@ def test_healthy_job_with_saves_on_a_machine_with_every_core_busy_is_never_accus
     lost = _only(events, "spare_lost")
     assert lost["spare"] == 0 and "SIGKILL" in lost["how"]
     registered = sorted(e["spare"] for e in events if e["event"] == "spare_registered")
-    assert registered == [0, 1]
+    # Spare 2 replenishes the pool after spare 0's loss; forked from the fork server it
+    # usually registers before the job ends (started as its own interpreter, it did not).
+    assert registered in ([0, 1], [0, 1, 2]), registered
     assert "spare 1: job finished, exiting" in result.output
 
 

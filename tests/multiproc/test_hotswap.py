@@ -123,6 +123,20 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
         assert _replays(result) == done["replayed_iterations"]
 
 
+def test_without_the_fork_server_every_process_is_its_own_interpreter_and_trains_alike(
+    tmp_path, baseline_pp2
+):
+    # The baseline's processes were forked from the agent's fork server; these start with
+    # `python pretrain_gpt.py`: the same losses and digest, through a hot-swap.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE_PP2, "--deadpool-inject", "kill@2:6", "--deadpool-event-log", str(log)]
+    result = run_job(tmp_path, 4, args, spares=1, launcher=["--no-fork-server"])
+    assert "fork server ready" in baseline_pp2.output
+    _assert_same_run(result, baseline_pp2)
+    assert "fork server" not in result.output
+    _assert_recovered(read_events(str(log)))
+
+
 def test_corrupted_replica_is_rejected_and_the_recovery_rolls_back_past_it_bitwise(
     tmp_path, baseline_pp2
 ):

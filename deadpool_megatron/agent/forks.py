@@ -1,0 +1,194 @@
+"""The agent's side of the fork server (forkserver.py): start it, ask it for children, and
+hand each back as a `ForkedProcess` that answers like the `subprocess.Popen` it replaces
+(pid, stdout, poll, wait, returncode), its exit status reported by the server that reaps it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from .forkserver import DEFAULT_PRELOAD, MAX_MESSAGE, Request, decode, encode
+
+log = logging.getLogger("deadpool.launch")
+
+READY_TIMEOUT_S = 300.0  # the imports, on a node whose cores the job's other agents share
+REPLY_TIMEOUT_S = 60.0
+
+
+class ForkServerUnavailable(RuntimeError):
+    """The fork server cannot start children (the agent starts them the ordinary way)."""
+
+
+class ForkedProcess:
+    """A child of the fork server, seen from the agent."""
+
+    def __init__(self, pid: int, stdout):
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        return self.returncode
+
+
+class ForkServer:
+    def __init__(
+        self,
+        env: dict[str, str],
+        preload: tuple[str, ...] = DEFAULT_PRELOAD,
+        output: Callable[[bytes], None] | None = None,
+    ):
+        """Start the server now (it imports while the agent gets on with its own start); the
+        first spawn() waits until it is ready. `output` gets each line it prints itself."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock = ours
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "deadpool_megatron.agent.forkserver", str(theirs.fileno()),
+             ",".join(preload)],
+            env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        self._output = output or (lambda line: sys.stdout.buffer.write(line))
+        self._pump = threading.Thread(target=self._pump_output, daemon=True)
+        self._pump.start()
+        self._replies: queue.Queue[dict] = queue.Queue()
+        self._children: dict[int, ForkedProcess] = {}
+        self._lock = threading.Lock()  # one request at a time: replies come in order
+        self._state = threading.Condition()
+        self._ready: bool | None = None
+        self.reason = ""
+        self._reader = threading.Thread(target=self._read, name="fork-server", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Raises ForkServerUnavailable with the reason when it cannot fork children."""
+        with self._state:
+            self._state.wait_for(lambda: self._ready is not None, timeout)
+            if self._ready is None:
+                self.reason = f"not ready after {timeout:.0f} s"
+                self._ready = False
+        if not self._ready:
+            raise ForkServerUnavailable(self.reason)
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None
+              ) -> ForkedProcess:  # fmt: skip
+        """Start `python argv...` as a child of the server, stdout and stderr into a pipe."""
+        self.wait_ready()
+        request = Request(list(argv), dict(env), cwd or os.getcwd())
+        read_end, write_end = os.pipe()
+        try:
+            with self._lock:
+                socket.send_fds(self._sock, [encode(request.message())], [write_end])
+                os.close(write_end)
+                write_end = -1
+                try:
+                    reply = self._replies.get(timeout=REPLY_TIMEOUT_S)
+                except queue.Empty:
+                    raise ForkServerUnavailable(
+                        f"no answer to a start within {REPLY_TIMEOUT_S:.0f} s"
+                    ) from None
+        except OSError as err:
+            os.close(read_end)
+            raise ForkServerUnavailable(f"the fork server is gone: {err}") from err
+        finally:
+            if write_end >= 0:
+                os.close(write_end)
+        if "pid" not in reply:
+            os.close(read_end)
+            raise ForkServerUnavailable(reply.get("error", f"unexpected reply {reply}"))
+        return self._adopt(reply["pid"], read_end)
+
+    def _adopt(self, pid: int, read_end: int) -> ForkedProcess:
+        with self._state:
+            child = self._children.get(pid)
+            if child is None:  # its exit can be reported before the pid reply is handled
+                child = self._children[pid] = ForkedProcess(pid, None)
+        child.stdout = os.fdopen(read_end, "rb")
+        return child
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                self._server_gone()
+                return
+            message = decode(data)
+            if "ready" in message:
+                with self._state:
+                    self._ready = bool(message["ready"])
+                    self.reason = message.get("reason", "")
+                    self._state.notify_all()
+                if self._ready:
+                    log.info("fork server ready (pid %d, preloaded %s)", self._proc.pid,
+                             ", ".join(message.get("preloaded", [])) or "nothing")  # fmt: skip
+            elif "exit" in message:
+                with self._state:
+                    child = self._children.setdefault(
+                        message["exit"], ForkedProcess(message["exit"], None)
+                    )
+                child._exited(int(message["code"]))
+            else:
+                if "pid" in message:
+                    with self._state:
+                        self._children.setdefault(
+                            message["pid"], ForkedProcess(message["pid"], None)
+                        )
+                self._replies.put(message)
+
+    def _server_gone(self) -> None:
+        """Its children died with it (parent-death signal): report each as killed."""
+        with self._state:
+            if self._ready is None:
+                self.reason = "it exited before it was ready"
+            self._ready = False
+            self._state.notify_all()
+            orphans = [c for c in self._children.values() if c.returncode is None]
+        for child in orphans:
+            deadline = time.monotonic() + 5.0
+            while os.path.exists(f"/proc/{child.pid}") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            child._exited(-signal.SIGKILL)
+        self._replies.put({"error": "the fork server exited"})
+
+    def _pump_output(self) -> None:
+        for line in iter(self._proc.stdout.readline, b""):
+            self._output(line)
+
+    def close(self) -> None:
+        """Let the server end (its children should be gone by now)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._pump.join(timeout=2)

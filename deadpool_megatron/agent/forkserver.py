@@ -1,0 +1,245 @@
+"""The fork server: one process per agent that imports torch and megatron-core once, then forks
+every worker and spare of the node from that state.
+
+Why: a child started with `python script.py` pays those imports itself (6 CPU-seconds each on
+the development machine), once per worker and spare at every job start and again for each
+fresh spare; on a node where the cores are shared that is most of the time to the first
+iteration. A forked child starts in milliseconds and runs the script as `python script.py`
+would (its argv, environment, working directory, a session of its own, stdout and stderr into
+the pipe the agent handed over, stdin from /dev/null).
+
+Forking is only safe from a process with one thread and no CUDA context: the server checks
+both (and that the CUDA driver is not even loaded) after the imports and reports itself
+unusable otherwise (the agent then starts children
+the ordinary way). The server is the children's parent: it reaps them and reports each exit
+status to the agent, and it dies with the agent (and they with it: parent-death signals).
+
+The protocol, over an AF_UNIX SOCK_SEQPACKET pair (one JSON message per packet):
+  server -> agent  {"ready": true, "preloaded": [...]} | {"ready": false, "reason": "..."}
+  agent -> server  {"argv": [...], "env": {...}, "cwd": "..."} + the stdout fd (SCM_RIGHTS)
+  server -> agent  {"pid": N} | {"error": "..."}, then for every child {"exit": N, "code": rc}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import io
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+from ..runtime import die_with_parent
+
+# What every worker imports first; a module that does not import here is skipped.
+DEFAULT_PRELOAD = ("torch", "megatron.core", "deadpool_megatron.process.worker")
+MAX_MESSAGE = 1 << 20  # a request carries a child's whole environment
+PR_SET_NAME = 15
+
+
+def encode(message: dict) -> bytes:
+    data = json.dumps(message).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"a fork-server message of {len(data)} bytes (at most {MAX_MESSAGE})")
+    return data
+
+
+def decode(data: bytes) -> dict:
+    return json.loads(data.decode())
+
+
+@dataclass(frozen=True)
+class Request:
+    """One child to start: `python argv[0] argv[1:]` in `cwd` with exactly `env`."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+
+    def message(self) -> dict:
+        return {"argv": self.argv, "env": self.env, "cwd": self.cwd}
+
+
+def unfit_to_fork() -> str | None:
+    """Why forking from this process would be unsafe now (None: it is safe)."""
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads != 1 or threading.active_count() != 1:
+        return f"the preloaded modules started threads ({threads} in this process)"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "importing the preloaded modules initialised CUDA, which a fork cannot inherit"
+    if _maps_cuda_driver():  # loaded by a library of its own (transformer-engine, say)
+        return "the preloaded modules loaded the CUDA driver (libcuda), which a fork cannot share"
+    return None
+
+
+def _maps_cuda_driver() -> bool:
+    """Whether libcuda is mapped: torch's own import leaves it unloaded until the first CUDA
+    call, so seeing it means something may have initialised the driver."""
+    try:
+        with open("/proc/self/maps") as fh:
+            return any("libcuda.so" in line for line in fh)
+    except OSError:
+        return False
+
+
+def preload(modules: list[str]) -> list[str]:
+    done = []
+    for name in modules:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except Exception as err:  # noqa: BLE001  (a script need not use every preload)
+            print(f"[fork server] not preloading {name}: {err}", file=sys.stderr, flush=True)
+    return done
+
+
+class Server:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        os.set_blocking(self.wake_r, False)
+
+    def send(self, message: dict) -> None:
+        self.sock.send(encode(message))
+
+    def serve(self) -> tuple[Request, int] | None:
+        """Fork children until the agent closes its end. Returns in a forked child only, with
+        what it is to run and its stdout descriptor; None in the server when done."""
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up fd fires
+        signal.set_wakeup_fd(self.wake_w)
+        self.selector.register(self.sock, selectors.EVENT_READ, "request")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
+        while True:
+            for key, _ in self.selector.select():
+                if key.data == "child":
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                    self.reap()
+                    continue
+                data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+                if not data:
+                    return None  # the agent is done (or gone)
+                started = self.start(decode(data), fds)
+                if started is not None:
+                    return started
+
+    def start(self, message: dict, fds: list[int]) -> tuple[Request, int] | None:
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self.send({"error": f"a request needs one stdout descriptor, got {len(fds)}"})
+            return None
+        request = Request(list(message["argv"]), dict(message["env"]), str(message["cwd"]))
+        server = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as err:
+            os.close(fds[0])
+            self.send({"error": f"fork failed: {err}"})
+            return None
+        if pid == 0:
+            self.become_child(server)
+            return request, fds[0]
+        os.close(fds[0])
+        self.send({"pid": pid})
+        return None
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            with contextlib.suppress(OSError):  # the agent is gone: nobody to tell
+                self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def become_child(self, server: int) -> None:
+        """In the forked child: drop everything of the server's."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.selector.close()
+        self.sock.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        os.setsid()
+        die_with_parent()
+        if os.getppid() != server:  # the server died between the fork and the prctl
+            os._exit(1)
+
+
+def run_child(request: Request, stdout_fd: int) -> None:
+    """Set the forked child up as `python -u argv[0] ...` would start, then run the script."""
+    os.dup2(stdout_fd, 1)
+    os.dup2(stdout_fd, 2)
+    os.close(stdout_fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True
+    )
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
+        errors="backslashreplace",
+    )  # fmt: skip
+    os.environ.clear()
+    os.environ.update(request.env)
+    os.chdir(request.cwd)
+    script = os.path.abspath(request.argv[0])
+    _name_process(os.path.basename(script))
+    sys.argv = [script, *request.argv[1:]]
+    sys.path[0] = os.path.dirname(script)
+    _fresh_per_process_state(request.env)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _name_process(name: str) -> None:
+    """`top` shows the script (ps still shows the fork server's command line)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15])
+
+
+def _fresh_per_process_state(env: dict[str, str]) -> None:
+    """What a fresh interpreter would not share with its siblings: numpy's global generator
+    (Python's `random` reseeds itself at fork) and the intra-op thread count, which the
+    OpenMP runtime read from the server's environment when torch was imported."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    torch = sys.modules.get("torch")
+    threads = env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def main(argv: list[str]) -> None:
+    fd = int(argv[0])
+    modules = [m for m in (argv[1] if len(argv) > 1 else "").split(",") if m]
+    sock = socket.socket(fileno=fd)
+    die_with_parent()
+    done = preload(modules)
+    reason = unfit_to_fork()
+    if reason is not None:
+        sock.send(encode({"ready": False, "reason": reason}))
+        return
+    sock.send(encode({"ready": True, "preloaded": done}))
+    started = Server(sock).serve()
+    if started is None:
+        return
+    run_child(*started)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""What starting a job's processes costs, with the fork server and without it, in ONE run.
+
+The same job (the demo shape by default: TP2 x PP2 x DP2, 8 workers and one spare, on CPU)
+is launched --repeats times in each mode, alternating (so drift on a shared machine hits
+both): with the fork server (the default: every worker and spare forked from one process
+that imported torch and megatron-core once) and with --no-fork-server (each an interpreter
+of its own, as torchrun starts them). Spare 0 is killed at --kill-spare-at, so the pool's
+replenishment (a fresh spare started and registered during training) is timed too.
+
+Per job: the time from the launch to the first iteration's end, the whole job's wall time,
+the CPU seconds of every process the launcher started (from its own rusage of waited-for
+children), and how long the replenishing spare took from its start to its registration.
+
+    python scripts/bench_startup.py                  # 8 workers + 1 spare, 3 repeats
+    python scripts/bench_startup.py --nproc 4 --repeats 2
+
+The last line printed is one JSON object: {"first_iteration_s": {"fork": .., "spawn": ..},
+"speedup_first_iteration", "job_cpu_s", "spare_ready_s", "wall_s", ...}; it also writes
+runs/bench_startup.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from deadpool_megatron.events import read_events  # noqa: E402
+
+MODES = ("fork", "spawn")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nproc", type=int, default=8, help="workers (default 8: TP2 x PP2 x DP2)")
+    p.add_argument("--repeats", type=int, default=3, help="jobs per mode (default 3)")
+    p.add_argument("--iters", type=int, default=12, help="iterations per job (default 12)")
+    p.add_argument("--kill-spare-at", type=int, default=3,
+                   help="iteration at which spare 0 is killed (default 3; 0: never)")  # fmt: skip
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_startup.json"))
+    a = p.parse_args(argv)
+    if a.nproc not in (4, 8):
+        p.error(f"--nproc {a.nproc}: 4 (TP2 x PP2) or 8 (TP2 x PP2 x DP2)")
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats} must be at least 1")
+    if not 0 <= a.kill_spare_at < a.iters:
+        p.error(f"--kill-spare-at {a.kill_spare_at} must lie in [0, --iters {a.iters} - 1]")
+    return a
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def job(a: argparse.Namespace, mode: str, workdir: Path) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
+    metrics.unlink(missing_ok=True)
+    events.unlink(missing_ok=True)
+    flags = ["--config", str(ROOT / "configs" / "demo.yaml"), "--train-iters", str(a.iters),
+             "--log-interval", "4", "--deadpool", "--metrics-jsonl", str(metrics),
+             "--deadpool-event-log", str(events)]  # fmt: skip
+    if a.kill_spare_at:
+        flags += ["--deadpool-inject", f"kill-spare@0:{a.kill_spare_at}"]
+    launcher = ["--no-fork-server"] if mode == "spawn" else []
+    cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc),
+           "--spares", "1", *launcher, str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
+    cpu0, start = children_cpu_s(), time.time()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    wall = time.time() - start
+    cpu = children_cpu_s() - cpu0  # the launcher and everything it waited for
+    (workdir / "job.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"the {mode} job failed; see {workdir / 'job.log'}")
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    first = min(r["time"] for r in records if r.get("iteration") == 1)
+    out = {"first_iteration_s": first - start, "wall_s": wall, "job_cpu_s": cpu,
+           "digest": next(r for r in records if r.get("event") == "final")["state_digest"]}  # fmt: skip
+    evs = read_events(str(events))
+    started = {e["spare"]: e["time"] for e in evs if e["event"] == "spare_started"}
+    registered = {e["spare"]: e["time"] for e in evs if e["event"] == "spare_registered"}
+    fresh = [s for s in started if s in registered and s != 0]
+    out["spare_ready_s"] = registered[fresh[0]] - started[fresh[0]] if fresh else None
+    return out
+
+
+def median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    work = Path(a.out).with_suffix("")
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    for i in range(a.repeats):
+        for mode in MODES if i % 2 == 0 else MODES[::-1]:
+            r = job(a, mode, work / f"{mode}-{i}")
+            runs[mode].append(r)
+            ready = f"{r['spare_ready_s']:.2f} s" if r["spare_ready_s"] is not None else "-"
+            print(f"{mode:>5} #{i}: first iteration done {r['first_iteration_s']:.1f} s after the "
+                  f"launch, job {r['wall_s']:.1f} s, {r['job_cpu_s']:.1f} CPU s, fresh spare "
+                  f"ready in {ready}", flush=True)  # fmt: skip
+    digests = {r["digest"] for m in MODES for r in runs[m]}
+    summary = {
+        key: {m: median([r[key] for r in runs[m]]) for m in MODES}
+        for key in ("first_iteration_s", "wall_s", "job_cpu_s", "spare_ready_s")
+    }
+    fork, spawn = summary["first_iteration_s"]["fork"], summary["first_iteration_s"]["spawn"]
+    summary["speedup_first_iteration"] = round(spawn / fork, 2)
+    summary["bitwise_equal"] = len(digests) == 1
+    summary["processes"] = a.nproc + 1
+    summary["repeats"] = a.repeats
+    summary["runs"] = runs
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(summary, indent=1))
+    short = {k: v for k, v in summary.items() if k != "runs"}
+    print(json.dumps(short))
+    return 0 if summary["bitwise_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

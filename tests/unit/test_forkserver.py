@@ -1,0 +1,146 @@
+"""The fork server with real processes: children run their script as `python script` would,
+their exits are reported, they die with the server, and an unsafe preload is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deadpool_megatron.agent.forks import ForkServer, ForkServerUnavailable
+
+pytestmark = pytest.mark.timeout(120)
+
+REPORT = """
+import json, os, random, sys
+import numpy
+print(json.dumps({
+    "argv": sys.argv, "env": dict(os.environ), "cwd": os.getcwd(), "path0": sys.path[0],
+    "stdin": sys.stdin.read(), "sid": os.getsid(0), "pid": os.getpid(), "name": __name__,
+    "random": random.random(), "numpy": float(numpy.random.rand()),
+    "comm": open("/proc/self/comm").read().strip(),
+}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _env(tmp_path, **extra) -> dict[str, str]:
+    # One OpenMP/BLAS thread, as the agent gives it: otherwise numpy's import starts BLAS
+    # threads and the server (rightly) refuses to fork.
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def server(tmp_path):
+    lines: list[bytes] = []
+    forks = ForkServer(_env(tmp_path), preload=("json", "numpy"), output=lines.append)
+    forks.wait_ready(60)
+    yield forks
+    forks.close()
+
+
+def _run(server, tmp_path, code: int, **env):
+    script = tmp_path / "scripts" / "report.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(REPORT)
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    child = server.spawn([str(script), str(code), "--flag"], {"ONLY": "this", **env}, str(work))
+    out = child.stdout.read().decode()
+    assert child.wait(30) == code
+    report, err = out.splitlines()
+    return json.loads(report), err, child
+
+
+def test_a_child_runs_its_script_as_python_would_and_its_exit_is_reported(server, tmp_path):
+    report, err, child = _run(server, tmp_path, 3)
+    script = str(tmp_path / "scripts" / "report.py")
+    assert report["argv"] == [script, "3", "--flag"]
+    assert report["env"] == {"ONLY": "this"}  # exactly the environment it was given
+    assert report["cwd"] == str(tmp_path / "work")
+    assert report["path0"] == str(tmp_path / "scripts")
+    assert report["name"] == "__main__"
+    assert report["stdin"] == ""  # /dev/null
+    assert report["comm"] == "report.py"  # what top shows
+    assert report["sid"] == report["pid"] == child.pid  # a session of its own
+    assert report["sid"] != os.getsid(0)
+    assert err == "to stderr"
+    assert child.poll() == 3
+
+
+def test_siblings_draw_different_random_numbers(server, tmp_path):
+    first, _, _ = _run(server, tmp_path, 0)
+    second, _, _ = _run(server, tmp_path, 0)
+    assert first["pid"] != second["pid"]
+    assert first["random"] != second["random"]
+    assert first["numpy"] != second["numpy"]  # numpy's global generator is reseeded
+
+
+def test_a_killed_child_reports_the_signal_and_wait_times_out_before(server, tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    child = server.spawn([str(script)], {}, str(tmp_path))
+    assert child.stdout.readline() == b"up\n"
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.2)
+    assert child.poll() is None
+    os.killpg(child.pid, signal.SIGKILL)
+    assert child.wait(10) == -signal.SIGKILL
+
+
+def test_children_die_with_the_server(server, tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    child = server.spawn([str(script)], {}, str(tmp_path))
+    assert child.stdout.readline() == b"up\n"
+    os.kill(server.pid, signal.SIGKILL)
+    assert child.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child.pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child.pid}")
+    with pytest.raises(ForkServerUnavailable):
+        server.spawn([str(script)], {}, str(tmp_path))
+
+
+def test_a_preload_that_starts_a_thread_makes_the_server_refuse_to_fork(tmp_path):
+    (tmp_path / "threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    env = _env(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    forks = ForkServer(env, preload=("threaded",), output=lambda line: None)
+    try:
+        with pytest.raises(ForkServerUnavailable, match="started threads"):
+            forks.wait_ready(60)
+        with pytest.raises(ForkServerUnavailable, match="started threads"):
+            forks.spawn([str(tmp_path / "threaded.py")], {}, str(tmp_path))
+    finally:
+        forks.close()
+
+
+def test_a_missing_preload_is_skipped_and_reported(tmp_path):
+    lines: list[bytes] = []
+    forks = ForkServer(_env(tmp_path), preload=("json", "no_such_module_here"), output=lines.append)
+    try:
+        forks.wait_ready(60)
+        script = tmp_path / "ok.py"
+        script.write_text("print('ok')\n")
+        child = forks.spawn([str(script)], {}, str(tmp_path))
+        assert child.stdout.read() == b"ok\n"
+        assert child.wait(30) == 0
+    finally:
+        forks.close()
+    assert any(b"not preloading no_such_module_here" in line for line in lines), lines
