@@ -101,26 +101,32 @@ class ForkServer:
         request = Request(list(argv), dict(env), cwd or os.getcwd())
         read_end, write_end = os.pipe()
         try:
+            reply = self._request(request, write_end)
+            if "pid" not in reply:
+                raise ForkServerUnavailable(reply.get("error", f"unexpected reply {reply}"))
+        except BaseException:
+            os.close(read_end)
+            raise
+        return self._adopt(reply["pid"], read_end)
+
+    def _request(self, request: Request, write_end: int) -> dict:
+        """Send one start (the server gets its own copy of `write_end`, which is closed
+        here) and wait for its answer."""
+        try:
             with self._lock:
                 socket.send_fds(self._sock, [encode(request.message())], [write_end])
                 os.close(write_end)
                 write_end = -1
-                try:
-                    reply = self._replies.get(timeout=REPLY_TIMEOUT_S)
-                except queue.Empty:
-                    raise ForkServerUnavailable(
-                        f"no answer to a start within {REPLY_TIMEOUT_S:.0f} s"
-                    ) from None
+                return self._replies.get(timeout=REPLY_TIMEOUT_S)
+        except queue.Empty:
+            raise ForkServerUnavailable(
+                f"no answer to a start within {REPLY_TIMEOUT_S:.0f} s"
+            ) from None
         except OSError as err:
-            os.close(read_end)
             raise ForkServerUnavailable(f"the fork server is gone: {err}") from err
         finally:
             if write_end >= 0:
                 os.close(write_end)
-        if "pid" not in reply:
-            os.close(read_end)
-            raise ForkServerUnavailable(reply.get("error", f"unexpected reply {reply}"))
-        return self._adopt(reply["pid"], read_end)
 
     def _adopt(self, pid: int, read_end: int) -> ForkedProcess:
         with self._state:
