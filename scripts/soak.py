@@ -7,7 +7,7 @@ replicas corrupted in flight, spaced so that no recovery loses two adjacent ring
 once. The job runs with spares and replenishment on (the pool refills as processes are lost);
 a failure-free twin of the same flags runs first. While the soak job runs, each recovery's
 time is read from the event log and every live process that holds a rank is sampled from /proc
-(open file descriptors, threads, RSS) while each generation trains, once it has collected the
+(open file descriptors, threads, anonymous RSS) while each generation trains, once it has collected the
 generation before; a generation's last sample before the next fault counts. Growth is
 measured per process, as the rise of its floor across the generations it was sampled in
 (`growth`).
@@ -151,7 +151,10 @@ def sample(pid: int) -> Sample | None:
             return None
         fds = len(os.listdir(f"/proc/{pid}/fd"))
         threads = int(fields["Threads"])
-        rss_mb = int(fields["VmRSS"].split()[0]) / 1024
+        # Anonymous memory only: what a leak grows. File-backed pages are the libraries'
+        # code, which a child forked from the fork server maps page by page as it first runs
+        # it (a recovery's code paths, late), so they grow without anything leaking.
+        rss_mb = int(fields["RssAnon"].split()[0]) / 1024
     except (OSError, KeyError, ValueError):
         return None
     return Sample(pid, fds, threads, rss_mb)
@@ -232,7 +235,7 @@ def _print_generation(generations: dict[int, dict], g: int) -> None:
     samples = generations[g]["samples"]
     print(f"generation {g:3d}: recovered in {generations[g]['recovery']['total_s']:6.2f} s; "
           f"{len(samples)} processes: fds {sum(s.fds for s in samples)}, threads "
-          f"{sum(s.threads for s in samples)}, RSS {sum(s.rss_mb for s in samples):.0f} MB "
+          f"{sum(s.threads for s in samples)}, anonymous RSS {sum(s.rss_mb for s in samples):.0f} MB "
           f"(pid fds/threads/MB: {' '.join(f'{s.pid} {s.fds}/{s.threads}/{s.rss_mb:.0f}' for s in samples)})",
           flush=True)  # fmt: skip
 
@@ -247,7 +250,7 @@ def growth(generations: dict[int, dict]) -> dict[str, float]:
     it raises the later floor; a sample that caught a left generation still being released (up
     to +60 descriptors and +42 threads in the short soak, gone a generation later) does not.
     A process sampled twice cannot tell the two apart and is left out. RSS: its last sample
-    over its first, for every process sampled at least twice."""
+    over its first (anonymous memory: `sample`), for every process sampled at least twice."""
     per_pid: dict[int, list] = {}
     for g in sorted(generations):
         for s in generations[g]["samples"]:

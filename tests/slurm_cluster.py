@@ -102,9 +102,14 @@ def start_cluster(root: Path, count: int, cpus: int = 4) -> SlurmCluster:
     _install()
     _start_munge()
     names = [f"n{i + 1}" for i in range(count)]
-    first = free_port()
-    ctld = free_port()
-    ports = [first + i for i in range(count)]
+    # Every port drawn free on its own: consecutive ports after a free one may be taken (a
+    # busy suite holds thousands of ephemeral ones), and a slurmd that cannot bind exits.
+    ports: list[int] = []
+    while len(ports) < count + 1:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    ctld = ports.pop()
     for sub in ("state", "spool", "log", "run"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
@@ -144,6 +149,7 @@ def start_cluster(root: Path, count: int, cpus: int = 4) -> SlurmCluster:
         if len(states) == count and all(s == "idle" for s in states.values()):
             return cluster
         time.sleep(0.5)
-    logs = (root / "log" / "slurmctld.log").read_text(errors="replace")[-3000:]
+    logs = "\n".join(f"== {log.name}\n" + log.read_text(errors="replace")[-1500:]
+                     for log in sorted((root / "log").glob("*.log")))  # fmt: skip
     cluster.stop()
     raise RuntimeError(f"the local Slurm did not come up within {START_TIMEOUT_S} s: {logs}")
