@@ -43,7 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nproc", type=int, default=8, help="workers (default 8: TP2 x PP2 x DP2)")
     p.add_argument("--repeats", type=int, default=3, help="jobs per mode (default 3)")
-    p.add_argument("--iters", type=int, default=12, help="iterations per job (default 12)")
+    p.add_argument("--iters", type=int, default=48,
+                   help="iterations per job (default 48: long enough for a spare started as "
+                   "its own interpreter to register before the end)")  # fmt: skip
     p.add_argument("--kill-spare-at", type=int, default=3,
                    help="iteration at which spare 0 is killed (default 3; 0: never)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_startup.json"))
