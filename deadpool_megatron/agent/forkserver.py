@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
+import importlib.machinery
 import io
 import json
 import os
@@ -179,7 +180,7 @@ class Server:
             os._exit(1)
 
 
-def run_child(request: Request, stdout_fd: int) -> None:
+def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> None:
     """Set the forked child up as `python -u argv[0] ...` would start, then run the script."""
     os.dup2(stdout_fd, 1)
     os.dup2(stdout_fd, 2)
@@ -201,8 +202,31 @@ def run_child(request: Request, stdout_fd: int) -> None:
     _name_process(os.path.basename(script))
     sys.argv = [script, *request.argv[1:]]
     sys.path[0] = os.path.dirname(script)
+    shadowed = shadowed_preloads(sys.path[0], preloaded)
+    if shadowed:  # e.g. a Megatron-LM checkout's own megatron/ beside its pretrain_gpt.py
+        print(f"[fork server] {script} imports {', '.join(shadowed)} from its own folder, not "
+              "the preloaded one: starting it as its own interpreter", file=sys.stderr)  # fmt: skip
+        os.execve(sys.executable, [sys.executable, "-u", *sys.argv], request.env)
     _fresh_per_process_state(request.env)
     runpy.run_path(script, run_name="__main__")
+
+
+def shadowed_preloads(folder: str, preloaded: list[str]) -> list[str]:
+    """The preloaded top-level packages that `folder` (the script's, first on its path) holds
+    a different copy of: a fresh interpreter would import that copy, so the child must be one."""
+    out = []
+    for top in sorted({name.split(".")[0] for name in preloaded}):
+        module = sys.modules.get(top)
+        spec = importlib.machinery.PathFinder.find_spec(top, [folder])
+        if module is None or spec is None:
+            continue
+        theirs = list(spec.submodule_search_locations or []) or [spec.origin]
+        ours = list(getattr(module, "__path__", []) or []) or [getattr(module, "__file__", "")]
+        if not {os.path.realpath(p) for p in theirs if p} & {
+            os.path.realpath(p) for p in ours if p
+        }:
+            out.append(top)
+    return out
 
 
 def _name_process(name: str) -> None:
@@ -238,7 +262,7 @@ def main(argv: list[str]) -> None:
     started = Server(sock).serve()
     if started is None:
         return
-    run_child(*started)
+    run_child(*started, done)
 
 
 if __name__ == "__main__":

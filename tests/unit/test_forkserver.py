@@ -144,3 +144,39 @@ def test_a_missing_preload_is_skipped_and_reported(tmp_path):
     finally:
         forks.close()
     assert any(b"not preloading no_such_module_here" in line for line in lines), lines
+
+
+def test_a_script_whose_folder_shadows_a_preload_runs_in_an_interpreter_of_its_own(
+    server, tmp_path
+):
+    # As a Megatron-LM checkout's megatron/ beside its pretrain_gpt.py: python would import
+    # the folder's copy, which the preloaded one must not stand in for.
+    folder = tmp_path / "checkout"
+    (folder / "json").mkdir(parents=True)
+    (folder / "json" / "__init__.py").write_text("WHO = 'the checkout'\n")
+    script = folder / "train.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "print(json.WHO, 'numpy' in sys.modules, os.getpid(), flush=True)\n"
+        "sys.exit(7)\n"
+    )
+    child = server.spawn([str(script)], {"PATH": os.environ.get("PATH", "")}, str(tmp_path))
+    lines = child.stdout.read().decode().splitlines()
+    assert child.wait(60) == 7
+    assert "imports json from its own folder" in lines[0], lines
+    who, numpy_loaded, pid = lines[-1].rsplit(" ", 2)
+    assert who == "the checkout"
+    assert numpy_loaded == "False"  # a fresh interpreter, not the preloaded state
+    assert int(pid) == child.pid  # the same process, exec'd: the agent's handle still holds
+
+
+def test_a_script_beside_the_same_copy_of_a_preload_is_forked(tmp_path):
+    import json as preloaded_json
+
+    from deadpool_megatron.agent.forkserver import shadowed_preloads
+
+    stdlib = os.path.dirname(os.path.dirname(preloaded_json.__file__))
+    assert shadowed_preloads(stdlib, ["json"]) == []  # the very folder it came from
+    assert shadowed_preloads(str(tmp_path), ["json"]) == []  # no json here
+    (tmp_path / "json.py").write_text("")
+    assert shadowed_preloads(str(tmp_path), ["json.decoder"]) == ["json"]
