@@ -91,7 +91,10 @@ class Children:
             # numpy's import starts its BLAS threads unless told one, and a process with
             # threads cannot fork; the children's torch threads follow OMP_NUM_THREADS.
             env = {"OPENBLAS_NUM_THREADS": "1", **self._base_env()}
-            self._forks = ForkServer(env, output=self._printer("[fork server] "))
+            folder = os.path.dirname(os.path.abspath(launch.script))
+            self._forks = ForkServer(
+                env, output=self._printer("[fork server] "), script_folder=folder
+            )
 
     @staticmethod
     def _base_env() -> dict[str, str]:

@@ -56,14 +56,16 @@ class ForkServer:
         env: dict[str, str],
         preload: tuple[str, ...] = DEFAULT_PRELOAD,
         output: Callable[[bytes], None] | None = None,
+        script_folder: str = "",
     ):
         """Start the server now (it imports while the agent gets on with its own start); the
-        first spawn() waits until it is ready. `output` gets each line it prints itself."""
+        first spawn() waits until it is ready. `output` gets each line it prints itself;
+        `script_folder` is where the children's script lies (first on the server's path)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock = ours
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "deadpool_megatron.agent.forkserver", str(theirs.fileno()),
-             ",".join(preload)],
+             ",".join(preload), script_folder],
             env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip

@@ -249,8 +249,13 @@ def _fresh_per_process_state(env: dict[str, str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    """argv: the socket's descriptor, the modules to preload (comma-separated), and the
+    folder of the script the children will run, first on the path as `python script` has it,
+    so that the preloads are the copies the script would import."""
     fd = int(argv[0])
     modules = [m for m in (argv[1] if len(argv) > 1 else "").split(",") if m]
+    if len(argv) > 2 and argv[2]:
+        sys.path[0] = argv[2]
     sock = socket.socket(fileno=fd)
     die_with_parent()
     done = preload(modules)

@@ -180,3 +180,21 @@ def test_a_script_beside_the_same_copy_of_a_preload_is_forked(tmp_path):
     assert shadowed_preloads(str(tmp_path), ["json"]) == []  # no json here
     (tmp_path / "json.py").write_text("")
     assert shadowed_preloads(str(tmp_path), ["json.decoder"]) == ["json"]
+
+
+def test_the_script_folder_comes_first_when_preloading_so_its_copy_is_forked(tmp_path):
+    folder = tmp_path / "checkout"
+    (folder / "probe_pkg").mkdir(parents=True)
+    (folder / "probe_pkg" / "__init__.py").write_text("WHO = 'the checkout'\n")
+    script = folder / "train.py"
+    script.write_text("import probe_pkg, sys\nprint(probe_pkg.WHO, 'numpy' in sys.modules)\n")
+    lines: list[bytes] = []
+    forks = ForkServer(_env(tmp_path), preload=("probe_pkg", "numpy"), output=lines.append,
+                       script_folder=str(folder))  # fmt: skip
+    try:
+        child = forks.spawn([str(script)], {}, str(tmp_path))
+        assert child.stdout.read().decode().splitlines() == ["the checkout True"]  # forked
+        assert child.wait(30) == 0
+    finally:
+        forks.close()
+    assert not [line for line in lines if b"not preloading" in line], lines
