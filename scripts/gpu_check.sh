@@ -7,6 +7,8 @@
 #   3. the failure-free overhead of protection, on/off in one run (scripts/bench_overhead.py),
 #      for the largest model the GPU and the host's pinned snapshot buffers fit in the time
 #      (one process: NCCL takes one rank per GPU, so local snapshots only, no ring);
+#   4. whether the fork server could fork workers here (the imports leave CUDA uninitialised
+#      and the driver unloaded: "fork_server_unfit" null);
 # and ends with one JSON line.
 #
 #   bash scripts/gpu_check.sh                      # on the GPU machine
@@ -80,6 +82,16 @@ timeout 240 "$PY" scripts/bench_overhead.py --nproc 1 --replicas 0 --bf16 \
     --global-batch-size 32 --warmup 3 --window 4 --windows 6 \
     --out "$OUT/bench_overhead.json" 2>&1 | tee "$OUT/bench_overhead.log" | tail -12
 
+say "fork server: does importing torch, megatron-core and the worker leave this process forkable?"
+OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$PY" - "$OUT" <<'PYEOF' 2>/dev/null
+import json, sys
+from pathlib import Path
+from deadpool_megatron.agent.forkserver import DEFAULT_PRELOAD, preload, unfit_to_fork
+done = preload(list(DEFAULT_PRELOAD))
+Path(sys.argv[1], "fork_server.json").write_text(
+    json.dumps({"fork_server_preloaded": done, "fork_server_unfit": unfit_to_fork()}))
+PYEOF
+
 "$PY" - "$OUT" "$PARAMS" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
@@ -92,6 +104,8 @@ try:
     result["gpu_tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 except Exception as err:
     result["gpu_tests"] = f"no results: {err}"
+if (out / "fork_server.json").exists():  # null unfit: workers fork on this GPU node
+    result.update(json.loads((out / "fork_server.json").read_text()))
 for line in (out / "results.jsonl").read_text().splitlines() if (out / "results.jsonl").exists() else []:
     result.update(json.loads(line))
 try:
