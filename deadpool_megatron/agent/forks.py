@@ -131,10 +131,8 @@ class ForkServer:
                 os.close(write_end)
 
     def _adopt(self, pid: int, read_end: int) -> ForkedProcess:
-        with self._state:
-            child = self._children.get(pid)
-            if child is None:  # its exit can be reported before the pid reply is handled
-                child = self._children[pid] = ForkedProcess(pid, None)
+        with self._state:  # the reader made it with the reply: its exit may follow at once
+            child = self._children[pid]
         child.stdout = os.fdopen(read_end, "rb")
         return child
 

@@ -10,9 +10,9 @@ the pipe the agent handed over, stdin from /dev/null).
 
 Forking is only safe from a process with one thread and no CUDA context: the server checks
 both (and that the CUDA driver is not even loaded) after the imports and reports itself
-unusable otherwise (the agent then starts children
-the ordinary way). The server is the children's parent: it reaps them and reports each exit
-status to the agent, and it dies with the agent (and they with it: parent-death signals).
+unusable otherwise (the agent then starts children the ordinary way). The server is the
+children's parent: it reaps them and reports each exit status to the agent, and it dies with
+the agent (and they with it: parent-death signals).
 
 The protocol, over an AF_UNIX SOCK_SEQPACKET pair (one JSON message per packet):
   server -> agent  {"ready": true, "preloaded": [...]} | {"ready": false, "reason": "..."}
@@ -142,16 +142,23 @@ class Server:
             return None
         request = Request(list(message["argv"]), dict(message["env"]), str(message["cwd"]))
         server = os.getpid()
+        settled_r, settled_w = os.pipe()
         try:
             pid = os.fork()
         except OSError as err:
-            os.close(fds[0])
+            for fd in (fds[0], settled_r, settled_w):
+                os.close(fd)
             self.send({"error": f"fork failed: {err}"})
             return None
         if pid == 0:
+            os.close(settled_r)
             self.become_child(server)
+            os.close(settled_w)  # its session exists: the agent may signal it as a group
             return request, fds[0]
         os.close(fds[0])
+        os.close(settled_w)
+        os.read(settled_r, 1)  # end-of-file once the child has its session (or died)
+        os.close(settled_r)
         self.send({"pid": pid})
         return None
 
