@@ -29,9 +29,10 @@ SHAPE = ["--config", str(ROOT / "configs" / "demo.yaml"), "--tensor-model-parall
          "--pipeline-model-parallel-size", "1", "--global-batch-size", "12",
          "--train-iters", "14", "--deadpool"]  # fmt: skip
 NODE_OF_RANK = {r: r // NPROC for r in range(6)}
-# Long enough that an etcd election (a few seconds) ends well before training does: the
-# demo's iterations take about 0.15 s at DP6 here.
-LONG = [("60" if a == "14" else a) for a in SHAPE]  # --train-iters 60
+# Long enough that an etcd election (a few seconds) and the leases' catching up after it
+# end well before training does: the demo's iterations take 0.1-0.15 s at DP6 here.
+LONG = [("120" if a == "14" else a) for a in SHAPE]  # --train-iters 120
+NODE_TIMEOUT_S = 2.0  # --deadpool-node-timeout's default
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +169,15 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
         nodes.wait_for_iteration(3, 300)
         etcd.kill(etcd.leader())
         etcd.wait_for_leader()
-        # Node 0 dies once the election is over and the job has trained on: two events, not
-        # one (a node whose etcd member died under it is late by the election's length).
+        # Node 0 dies once the election is over, every lease has caught up and the job has
+        # trained on: two events, not one. A node whose store requests hung through the
+        # election renews late by up to the node timeout; a loss inside that window counted
+        # it lost too (seen once: node 1 with node 0, and no spare left for it).
+        caught_up = time.monotonic() + 2 * NODE_TIMEOUT_S
+        while time.monotonic() < caught_up:
+            time.sleep(0.1)
         target = nodes.iteration() + 3
-        assert target < 50, f"the election outlasted training (iteration {target - 3})"
+        assert target < 100, f"the election outlasted training (iteration {target - 3})"
         nodes.wait_for_iteration(target, 120)
         nodes.kill_node(0)
         rcs = nodes.wait(400)
