@@ -29,6 +29,7 @@ from ..runtime import (
     die_with_parent,
 )
 from .forks import ForkedProcess, ForkServer, ForkServerUnavailable
+from .forkserver import DEFAULT_PRELOAD
 
 log = logging.getLogger("deadpool.launch")
 
@@ -75,6 +76,7 @@ class Launch:
     world_size: int
     local_world_size: int
     fork_server: bool = True  # fork children from a preloaded interpreter (forkserver.py)
+    fork_preload: tuple[str, ...] = DEFAULT_PRELOAD  # what the fork server imports once
 
 
 class Children:
@@ -92,9 +94,8 @@ class Children:
             # threads cannot fork; the children's torch threads follow OMP_NUM_THREADS.
             env = {"OPENBLAS_NUM_THREADS": "1", **self._base_env()}
             folder = os.path.dirname(os.path.abspath(launch.script))
-            self._forks = ForkServer(
-                env, output=self._printer("[fork server] "), script_folder=folder
-            )
+            self._forks = ForkServer(env, launch.fork_preload, self._printer("[fork server] "),
+                                     script_folder=folder)  # fmt: skip
 
     @staticmethod
     def _base_env() -> dict[str, str]:

@@ -198,3 +198,28 @@ def test_the_script_folder_comes_first_when_preloading_so_its_copy_is_forked(tmp
     finally:
         forks.close()
     assert not [line for line in lines if b"not preloading" in line], lines
+
+
+def test_children_fall_back_to_interpreters_when_the_fork_server_refuses(
+    tmp_path, monkeypatch, capfd, caplog
+):
+    from deadpool_megatron.agent.children import Children, Launch
+
+    (tmp_path / "threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    script = tmp_path / "hello.py"
+    script.write_text("import sys\nprint('hello from', sys.argv[1:], flush=True)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    children = Children(
+        Launch(str(script), ("--x",), "127.0.0.1", 1, 1, fork_preload=("threaded",))
+    )
+    try:
+        child = children.spawn("worker", 0, 0, {})
+        assert isinstance(child.proc, subprocess.Popen)  # its own interpreter
+        assert child.proc.wait(60) == 0
+        child.pump.join(10)
+    finally:
+        children.close()
+    assert "[worker 0] hello from ['--x']" in capfd.readouterr().out
+    assert "fork server unusable (the preloaded modules started threads" in caplog.text
