@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         agent.host_store()
     except (StoreUnreachable, ConfigError) as err:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
-        agent.close()  # its fork server and progress boards
+        agent.close()  # its progress boards
         return ConfigError.exit_code
     try:
         agent.start()

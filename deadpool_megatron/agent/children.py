@@ -89,13 +89,18 @@ class Children:
         self.board_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
         self._spawned = 0
         self._forks: ForkServer | None = None
-        if launch.fork_server:
+        self._use_forks = launch.fork_server  # until the server proves unusable
+
+    def _fork_server(self) -> ForkServer | None:
+        """The fork server, started with the first child (bad input started nothing)."""
+        if self._forks is None and self._use_forks:
             # numpy's import starts its BLAS threads unless told one, and a process with
             # threads cannot fork; the children's torch threads follow OMP_NUM_THREADS.
             env = {"OPENBLAS_NUM_THREADS": "1", **self._base_env()}
-            folder = os.path.dirname(os.path.abspath(launch.script))
-            self._forks = ForkServer(env, launch.fork_preload, self._printer("[fork server] "),
-                                     script_folder=folder)  # fmt: skip
+            folder = os.path.dirname(os.path.abspath(self.launch.script))
+            self._forks = ForkServer(env, self.launch.fork_preload,
+                                     self._printer("[fork server] "), script_folder=folder)  # fmt: skip
+        return self._forks
 
     @staticmethod
     def _base_env() -> dict[str, str]:
@@ -144,14 +149,15 @@ class Children:
         return child
 
     def _start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedProcess:
-        if self._forks is not None:
+        forks = self._fork_server()
+        if forks is not None:
             try:
-                return self._forks.spawn(argv, env)
+                return forks.spawn(argv, env)
             except ForkServerUnavailable as err:
                 log.warning("fork server unusable (%s): starting children with %s",
                             err, sys.executable)  # fmt: skip
-                self._forks.close()
-                self._forks = None
+                forks.close()
+                self._forks, self._use_forks = None, False
         return subprocess.Popen(
             [sys.executable, "-u", *argv],
             env=env,

@@ -58,7 +58,7 @@ class ForkServer:
         output: Callable[[bytes], None] | None = None,
         script_folder: str = "",
     ):
-        """Start the server now (it imports while the agent gets on with its own start); the
+        """Start the server now (it imports while the caller goes on); the
         first spawn() waits until it is ready. `output` gets each line it prints itself;
         `script_folder` is where the children's script lies (first on the server's path)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
