@@ -34,7 +34,6 @@ from .forkserver import DEFAULT_PRELOAD
 log = logging.getLogger("deadpool.launch")
 
 TERMINATE_GRACE_S = 5.0
-_AGENT_DEATH = die_with_parent if sys.platform.startswith("linux") else None
 
 
 @dataclass
@@ -165,7 +164,7 @@ class Children:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            preexec_fn=_AGENT_DEATH,  # noqa: PLW1509 (a prctl only; the agent forks rarely)
+            preexec_fn=die_with_parent,  # noqa: PLW1509 (a prctl only; the agent forks rarely)
         )
 
     def _pump(self, child: Child) -> None:

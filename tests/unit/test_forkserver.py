@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from waiting import until
 
 from deadpool_megatron.agent.forks import ForkServer, ForkServerUnavailable
 
@@ -30,22 +30,20 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-def _env(tmp_path, **extra) -> dict[str, str]:
+def _env() -> dict[str, str]:
     # One OpenMP/BLAS thread, as the agent gives it: otherwise numpy's import starts BLAS
     # threads and the server (rightly) refuses to fork.
-    env = {
+    return {
         "PATH": os.environ.get("PATH", ""),
         "PYTHONPATH": os.pathsep.join(sys.path),
         "OMP_NUM_THREADS": "1",
     }
-    env.update(extra)
-    return env
 
 
 @pytest.fixture
 def server(tmp_path):
     lines: list[bytes] = []
-    forks = ForkServer(_env(tmp_path), preload=("json", "numpy"), output=lines.append)
+    forks = ForkServer(_env(), preload=("json", "numpy"), output=lines.append)
     forks.wait_ready(60)
     yield forks
     forks.close()
@@ -107,10 +105,7 @@ def test_children_die_with_the_server(server, tmp_path):
     assert child.stdout.readline() == b"up\n"
     os.kill(server.pid, signal.SIGKILL)
     assert child.wait(10) == -signal.SIGKILL
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{child.pid}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{child.pid}")
+    assert until(lambda: not os.path.exists(f"/proc/{child.pid}"), timeout_s=10)
     with pytest.raises(ForkServerUnavailable):
         server.spawn([str(script)], {}, str(tmp_path))
 
@@ -119,7 +114,7 @@ def test_a_preload_that_starts_a_thread_makes_the_server_refuse_to_fork(tmp_path
     (tmp_path / "threaded.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
-    env = _env(tmp_path)
+    env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     forks = ForkServer(env, preload=("threaded",), output=lambda line: None)
     try:
@@ -133,7 +128,7 @@ def test_a_preload_that_starts_a_thread_makes_the_server_refuse_to_fork(tmp_path
 
 def test_a_missing_preload_is_skipped_and_reported(tmp_path):
     lines: list[bytes] = []
-    forks = ForkServer(_env(tmp_path), preload=("json", "no_such_module_here"), output=lines.append)
+    forks = ForkServer(_env(), preload=("json", "no_such_module_here"), output=lines.append)
     try:
         forks.wait_ready(60)
         script = tmp_path / "ok.py"
@@ -189,7 +184,7 @@ def test_the_script_folder_comes_first_when_preloading_so_its_copy_is_forked(tmp
     script = folder / "train.py"
     script.write_text("import probe_pkg, sys\nprint(probe_pkg.WHO, 'numpy' in sys.modules)\n")
     lines: list[bytes] = []
-    forks = ForkServer(_env(tmp_path), preload=("probe_pkg", "numpy"), output=lines.append,
+    forks = ForkServer(_env(), preload=("probe_pkg", "numpy"), output=lines.append,
                        script_folder=str(folder))  # fmt: skip
     try:
         child = forks.spawn([str(script)], {}, str(tmp_path))
