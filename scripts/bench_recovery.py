@@ -207,8 +207,11 @@ def plot(results: list[dict], path: Path) -> None:
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("time lost per failure (s)")
     ax.set_title("One killed rank, same job, same failure point (CPU, gloo)")
-    top = max(r[key]["lost_s"] for r in results for key, _ in bars)
-    ax.set_ylim(0, top * 1.45)  # room above the bars for the legend
+    every = [r[key]["lost_s"] for r in results for key, _ in bars]
+    # room above the bars for the legend; below zero when a noisy figure came out negative,
+    # which a floor at zero would hide
+    ax.set_ylim(min(0.0, 1.2 * min(every)), max(every) * 1.45)
+    ax.axhline(0, color="black", linewidth=0.5)
     ax.legend(loc="upper center", ncol=2, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
