@@ -12,6 +12,7 @@ zombie holding ranks.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -91,6 +92,12 @@ class NodeWatch:
     that time either: a late lease alone, like a late heartbeat, proves nothing while the
     node's processes are still beating; a lost node's processes are gone with it.
 
+    A store election (a new `term`) restarts every node's timeout from when this agent first
+    sees the new term: requests a node sent to a follower can hang through the election and
+    out past it while this agent's, through a member that answered, went on (CI: a node never
+    killed was counted lost at an etcd leader's kill). A node lost at the election itself is
+    found one timeout after it, not sooner.
+
     Before the job is up (`poll(up=False)`) a lease may stand still for `startup_timeout_s`
     instead: no process beats yet, every node's processes are importing and building their
     models at once (a loaded machine can starve an agent's thread for seconds; seen on CI),
@@ -107,6 +114,7 @@ class NodeWatch:
         own_needed: int,
         startup_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        term: Callable[[], int] | None = None,
     ):
         self.ctx = ctx
         self.me = me
@@ -116,6 +124,9 @@ class NodeWatch:
         self._own = own  # this agent's own lease renewals that reached the store
         self._own_needed = own_needed
         self._clock = clock
+        self._term = term if term is not None else (lambda: ctx.kv.term)
+        self._last_term: int | None = None
+        self._term_seen_at = -math.inf  # when this agent first saw the store's newest term
         self._seen: dict[int, _Seen] = {}
         self._lost: dict[int, AgentBeat] = {}
 
@@ -129,6 +140,11 @@ class NodeWatch:
         }
         now = self._clock()
         own = self._own()
+        term = self._term()
+        if term != self._last_term:
+            if self._last_term is not None:
+                self._term_seen_at = now
+            self._last_term = term
         timeout_s = self.timeout_s if up else self.startup_timeout_s
         newly = []
         for node, beat in beats.items():
@@ -141,7 +157,7 @@ class NodeWatch:
             # followed from the lease's first miss
             beating = self._still_beating(seen, now, timeout_s)
             if (
-                now - seen.moved_at > timeout_s
+                now - max(seen.moved_at, self._term_seen_at) > timeout_s
                 and own - seen.own_at >= self._own_needed
                 and not beating
             ):

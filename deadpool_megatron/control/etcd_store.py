@@ -77,6 +77,11 @@ class EtcdKVStore(KVStore):
         self._ssl = _ssl_context(self._security)
         self._token: str | None = None
         self._token_lock = threading.Lock()
+        self._term = 0  # the highest raft term any answer carried
+
+    @property
+    def term(self) -> int:
+        return self._term
 
     @property
     def endpoint(self) -> str:
@@ -121,6 +126,7 @@ class EtcdKVStore(KVStore):
             if url != self._urls[0]:
                 self._urls.remove(url)
                 self._urls.insert(0, url)
+            self._term = max(self._term, int(answer.get("header", {}).get("raft_term", 0)))
         return answer
 
     def _request(self, url: str, path: str, data: bytes, headers: dict[str, str]) -> dict:

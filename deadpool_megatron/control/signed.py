@@ -85,6 +85,10 @@ class SignedKVStore(KVStore):
     def endpoint(self) -> str:
         return self.inner.endpoint
 
+    @property
+    def term(self) -> int:
+        return self.inner.term
+
     def get(self, key: str) -> bytes | None:
         raw = self.inner.get(key)
         return None if raw is None else self.open(key, raw)

@@ -37,6 +37,14 @@ class KVStore(abc.ABC):
     def endpoint(self) -> str:
         """Where the store lives (``host:port`` or a list of URLs), for error messages."""
 
+    @property
+    def term(self) -> int:
+        """The store's leadership term as this client last saw it (0 for a store without
+        one, the TCPStore). A new term means the store elected a new leader: other clients'
+        requests may have hung through the election while this client's did not, so a record
+        that stood still across it proves nothing about its writer."""
+        return 0
+
     @abc.abstractmethod
     def get(self, key: str) -> bytes | None:
         """The value of `key`, or None if it does not exist. Never blocks waiting for it."""

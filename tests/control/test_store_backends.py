@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from etcd_server import free_port
+from etcd_server import free_port, start_etcd_cluster
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.etcd_store import EtcdKVStore
@@ -23,6 +23,7 @@ from deadpool_megatron.control.membership import (
     StaleGeneration,
     replace,
 )
+from deadpool_megatron.control.signed import SignedKVStore
 from deadpool_megatron.control.store import KVStore, StoreTimeout, StoreUnreachable
 from deadpool_megatron.control.tcp_store import TcpKVStore
 
@@ -219,3 +220,26 @@ def test_delete_prefix_removes_exactly_the_prefix_in_etcd_and_is_unsupported_on_
     assert [store.get(k) for k in ("p/gen/10/a", "p/gen/2/a", "p/gen/1")] == [b"v"] * 3
     with pytest.raises(ValueError):
         store.delete_prefix("")
+
+
+def test_a_tcp_store_has_no_term(connect):
+    store = connect()
+    if isinstance(store, TcpKVStore):
+        assert store.term == 0
+
+
+@pytest.mark.timeout(120)
+def test_an_etcd_election_shows_as_a_new_term_to_every_client(tmp_path, job):
+    # What NodeWatch restarts its timeouts on: a new leader's term in the answers.
+    cluster = start_etcd_cluster(tmp_path, 3)
+    try:
+        store = SignedKVStore(EtcdKVStore(cluster.endpoints, timeout_s=20), b"s" * 16)
+        store.set(keys.job_finished(job), b"1")
+        before = store.term
+        assert before > 0
+        cluster.kill(cluster.leader())
+        cluster.wait_for_leader()
+        assert store.get(keys.job_finished(job)) == b"1"
+        assert store.term > before
+    finally:
+        cluster.stop()

@@ -93,6 +93,58 @@ def test_a_store_that_stalls_every_lease_accuses_nobody(kv):
     assert [b.node for b in watch.poll()] == [1]
 
 
+def test_a_store_election_restarts_every_timeout_from_when_it_is_seen(kv):
+    # CI: an etcd leader killed; node 1's lease and heartbeats, sent to a follower, hung
+    # through the election and past it, while ours, through a member that answered, went on:
+    # node 1 was counted lost, never having failed.
+    ctx = JobContext(kv, JOB)
+    clock, term = Clock(), [2]
+    mine = _lease(ctx, 0)
+    watch = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: mine.renewed, 3, clock=clock,
+                      term=lambda: term[0])  # fmt: skip
+    other = _lease(ctx, 1, ranks=(2,))
+    other.renew()
+    assert watch.poll() == []
+    for _ in range(3):  # node 1 falls silent; our store answers through the election
+        clock.t += 0.5
+        mine.renew()
+        assert watch.poll() == []
+    term[0] = 3  # the answers now carry a new leader's term
+    for _ in range(4):  # 1.5 s ... 3.5 s of silence: still within a timeout of the election
+        clock.t += 0.5
+        mine.renew()
+        assert watch.poll() == []
+    other.renew()  # node 1's requests get through
+    for _ in range(6):
+        clock.t += 0.5
+        mine.renew()
+        other.renew()
+        assert watch.poll() == []
+    term[0] = 4  # another election, and node 1 is really gone this time
+    assert watch.poll() == []  # seen now
+    for _ in range(4):  # found one timeout after the election was seen, not sooner
+        clock.t += 0.5
+        mine.renew()
+        assert watch.poll() == []
+    clock.t += 0.01
+    assert [b.node for b in watch.poll()] == [1]
+
+
+def test_the_first_term_seen_is_no_election(kv):
+    ctx = JobContext(kv, JOB)
+    clock = Clock()
+    mine = _lease(ctx, 0)
+    watch = NodeWatch(ctx, 0, [0, 1], 2.0, lambda: mine.renewed, 3, clock=clock,
+                      term=lambda: 7)  # fmt: skip
+    _lease(ctx, 1).renew()
+    assert watch.poll() == []
+    for _ in range(4):
+        clock.t += 0.5
+        mine.renew()
+    clock.t += 0.01
+    assert [b.node for b in watch.poll()] == [1]
+
+
 def test_a_late_lease_alone_proves_nothing_while_the_nodes_processes_beat(kv):
     ctx = JobContext(kv, JOB)
     clock = Clock()
