@@ -167,14 +167,24 @@ class CutConnections:
                         self._thread = None
                         return
                 events = ep.poll(interval if gloo_holds else -1)
-                interval = min(2 * interval, self.MAX_INTERVAL_S) if gloo_holds else self.INTERVAL_S
+                woken = False
                 for fd, _ in events:
                     if fd == self._wake_r:
                         with contextlib.suppress(BlockingIOError):
                             os.read(self._wake_r, 4096)
-                        interval = self.INTERVAL_S  # a new connection: look again soon
+                        woken = True
                     else:
                         self._drain_one(ep, fd)
+                interval = self.next_interval(interval, gloo_holds, woken)
+
+    @classmethod
+    def next_interval(cls, interval: float, gloo_holds: bool, woken: bool) -> float:
+        """The drain thread's next look at descriptors gloo still holds: doubling up to
+        MAX_INTERVAL_S while nothing changes, soon again after a new connection (`woken`) or
+        once gloo held none (the next one is new)."""
+        if woken or not gloo_holds:
+            return cls.INTERVAL_S
+        return min(2 * interval, cls.MAX_INTERVAL_S)
 
     def _adopt(self, ep: select.epoll, stop: threading.Event) -> bool:
         """Start watching the connections whose gloo descriptor is closed now; True while
@@ -259,8 +269,11 @@ class CommunicatorAbort:
         self._lock = threading.Lock()
 
     def rearm(self) -> None:
-        """New groups are about to be built: their operations wait normally again."""
-        gloo_ops.reset()
+        """New groups are about to be built: their operations wait normally again. Never in
+        the middle of an abort (another thread's, for a newer order): that abort's end would
+        leave the new groups' operations refused."""
+        with self._lock:
+            gloo_ops.reset()
 
     def release(self) -> int:
         """Close the connections the aborts cut: once every peer has ended its own side (the
@@ -276,11 +289,11 @@ class CommunicatorAbort:
         leave pending (measured with 4 MB all-reduces: 2 of 100 rank-rounds without the grace).
         Safe from any thread, idempotent; returns the number of connections cut.
         """
-        gloo_ops.stop_posting()  # what fails next is the abort's doing, not a new failure
-        if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
-            abort_groups(live_groups(), "nccl")
         n = 0
         with self._lock:
+            gloo_ops.stop_posting()  # what fails next is the abort's doing, not a new failure
+            if dist.is_initialized() and dist.get_backend() == "nccl":  # pragma: no cover (GPU)
+                abort_groups(live_groups(), "nccl")
             todo = {fd: inode for fd, inode in _sockets().items()
                     if not self.cut.holds(inode) and self._group_connection(fd)}  # fmt: skip
             deadline = time.monotonic() + SEND_GRACE_S
@@ -290,7 +303,7 @@ class CommunicatorAbort:
                     n += self._cut(fd, todo.pop(fd))
                 if todo:
                     time.sleep(0.001)
-        gloo_ops.abort_pending()  # operations gloo would not wake
+            gloo_ops.abort_pending()  # operations gloo would not wake
         if n:
             log.info("aborted communicators: cut %d connection(s)", n)
         return n

@@ -427,6 +427,9 @@ class ProcessRecovery:
         parallel.destroy_distributed()
         self.rendezvous(plan.generation)
         self.abort.rearm()
+        # An order that came while rearming may have aborted before the rearm undid it: its
+        # peers are leaving, and a group built now would wait on them.
+        self._superseded(plan.generation, "rearming its communicators")
         return old_groups
 
     def inject_recovery_fault(self) -> None:

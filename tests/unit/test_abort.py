@@ -124,3 +124,14 @@ def test_the_drain_thread_sleeps_while_held_connections_are_quiet_and_wakes_for_
         peer.close()
     assert until(lambda: len(cut) == 0)
     assert cut.close_all() == 0
+
+
+def test_the_drain_threads_look_at_gloos_descriptors_backs_off_and_starts_over_when_woken():
+    step = CutConnections.next_interval
+    seen, interval = [], CutConnections.INTERVAL_S
+    for _ in range(7):  # gloo keeps a descriptor open: 10, 20, 40, 80, 160, 160 ms ...
+        interval = step(interval, gloo_holds=True, woken=False)
+        seen.append(round(interval * 1000))
+    assert seen == [20, 40, 80, 160, 160, 160, 160]
+    assert step(interval, gloo_holds=True, woken=True) == CutConnections.INTERVAL_S
+    assert step(interval, gloo_holds=False, woken=False) == CutConnections.INTERVAL_S

@@ -60,14 +60,15 @@ class FakeTime:
 
 
 class FakeAbort:
-    def __init__(self):
+    def __init__(self, on_rearm=lambda: None):
         self.aborts = 0
+        self._on_rearm = on_rearm
 
     def abort(self):
         self.aborts += 1
 
     def rearm(self):
-        pass
+        self._on_rearm()
 
     def release(self):
         return 0
@@ -82,12 +83,13 @@ class FakeTrainer:
         return None
 
 
-def make(kv, time_, rank=1, cls=ProcessRecovery, cpu_clock=time.process_time):
+def make(kv, time_, rank=1, cls=ProcessRecovery, cpu_clock=time.process_time, abort=None):
     cfg = JobConfig()
     cfg.parallel.pipeline_model_parallel_size = 2
     env = ProcessEnv("worker", rank, 4, rank, 4, "127.0.0.1", None, None, JOB, False, True)
     ctx = JobContext(kv, JOB)
-    recovery = cls(cfg, env, ctx, None, ProgressBoard(), FakeAbort(), protect=None,
+    abort = abort or FakeAbort()
+    recovery = cls(cfg, env, ctx, None, ProgressBoard(), abort, protect=None,
                    timeouts=TIMEOUTS, clock=time_.clock, sleep=time_.sleep,
                    cpu_clock=cpu_clock)  # fmt: skip
     return recovery, ctx
@@ -154,6 +156,18 @@ def test_rendezvous_waits_for_everyone_names_who_is_missing_and_yields_to_a_newe
     time_.at.append((time_.t + 0.5, lambda: ctx.see_order(3)))
     with pytest.raises(Superseded, match="generation 3 was ordered while meeting"):
         recovery.rendezvous(2)
+
+
+def test_an_order_that_comes_while_the_communicators_are_rearmed_stops_the_rebuild(kv):
+    time_ = FakeTime()
+    seen = []  # the order watcher sees generation 2 ordered just as the groups are rearmed
+    recovery, ctx = make(kv, time_, abort=FakeAbort(lambda: seen[0].see_order(2)))
+    seen.append(ctx)
+    ctx.see_order(1)
+    for r in (0, 2, 3):
+        kv.set(keys.arrived(JOB, 1, r), Flag(str(r)).encode())
+    with pytest.raises(Superseded, match="generation 2 was ordered while rearming"):
+        recovery.reset_communicators(plan(1))
 
 
 class Scripted(ProcessRecovery):
