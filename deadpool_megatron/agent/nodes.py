@@ -12,6 +12,7 @@ zombie holding ranks.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -24,6 +25,8 @@ from ..control import keys
 from ..control.context import JobContext
 from ..control.messages import AgentBeat, Heartbeat, RankLost
 from ..failure.heartbeat import HeartbeatSender
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,8 @@ class NodeWatch:
         if term != self._last_term:
             if self._last_term is not None:
                 self._term_seen_at = now
+                log.info("the store elected a new leader (term %d): node timeouts restart",
+                         term)  # fmt: skip
             self._last_term = term
         timeout_s = self.timeout_s if up else self.startup_timeout_s
         newly = []

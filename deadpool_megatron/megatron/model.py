@@ -58,7 +58,9 @@ def params_dtype(cfg: JobConfig) -> torch.dtype:
     return torch.float32
 
 
-def transformer_config(cfg: JobConfig, on_gpu: bool) -> TransformerConfig:
+def transformer_config(cfg: JobConfig, on_gpu: bool, initialize: bool = True) -> TransformerConfig:
+    """`initialize=False`: weights are left as allocated (a recovery's build, which the
+    restore overwrites entirely): drawing them costs time that grows with the model."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     vp = virtual_pipeline_size(cfg)
     dtype = params_dtype(cfg)
@@ -79,7 +81,7 @@ def transformer_config(cfg: JobConfig, on_gpu: bool) -> TransformerConfig:
         bf16=t.bf16,
         fp16=t.fp16,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=True,
+        perform_initialization=initialize,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -201,8 +203,8 @@ def build_optimizer(cfg: JobConfig, model: list[DistributedDataParallel]):
     return optimizer, scheduler
 
 
-def build_train_state(cfg: JobConfig, on_gpu: bool) -> TrainState:
-    tcfg = transformer_config(cfg, on_gpu)
+def build_train_state(cfg: JobConfig, on_gpu: bool, initialize: bool = True) -> TrainState:
+    tcfg = transformer_config(cfg, on_gpu, initialize)
     with recording() as calls:
         model = build_model(cfg, tcfg, on_gpu)
         optimizer, scheduler = build_optimizer(cfg, model)

@@ -383,8 +383,9 @@ class ProcessRecovery:
         t = time.perf_counter()
         state = self._rebound(bool(plan.replaced))
         if state is None:
-            state = build_train_state(self.cfg, on_gpu)
-            materialize_optimizer_state(state.optimizer)  # the restore overwrites it entirely
+            # the restore overwrites weights and optimizer state entirely: neither is drawn
+            state = build_train_state(self.cfg, on_gpu, initialize=False)
+            materialize_optimizer_state(state.optimizer)
         self.models.track(plan.generation, state.model[0])
         if trainer is None:
             trainer = make_trainer(state, on_gpu)
