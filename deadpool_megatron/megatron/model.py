@@ -58,13 +58,28 @@ def params_dtype(cfg: JobConfig) -> torch.dtype:
     return torch.float32
 
 
+INIT_METHODS = ("init_method", "output_layer_init_method", "embedding_init_method")
+
+
+def leave_undrawn(weight: torch.Tensor) -> None:
+    """An init method that draws nothing (see `transformer_config`)."""
+
+
 def transformer_config(cfg: JobConfig, on_gpu: bool, initialize: bool = True) -> TransformerConfig:
-    """`initialize=False`: weights are left as allocated (a recovery's build, which the
-    restore overwrites entirely): drawing them costs time that grows with the model."""
+    """`initialize=False`: weights are left as allocated, for a recovery's build, which the
+    restore overwrites entirely (drawing them costs time that grows with the model). Through
+    init methods that draw nothing, not `perform_initialization=False`: megatron-core's
+    tensor-parallel layers then also skip marking their weights as tensor-parallel
+    (`set_tensor_model_parallel_attributes`), and the gradient norm counts each shard as if
+    every TP rank held a copy (measured: a TP2 hot-swap diverged from its first optimizer
+    step on)."""
     m, p, t = cfg.model, cfg.parallel, cfg.training
     vp = virtual_pipeline_size(cfg)
     dtype = params_dtype(cfg)
+    fields = TransformerConfig.__dataclass_fields__
+    undrawn = {} if initialize else {k: leave_undrawn for k in INIT_METHODS if k in fields}
     return TransformerConfig(
+        **undrawn,
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
@@ -81,7 +96,7 @@ def transformer_config(cfg: JobConfig, on_gpu: bool, initialize: bool = True) ->
         bf16=t.bf16,
         fp16=t.fp16,
         use_cpu_initialization=not on_gpu,
-        perform_initialization=initialize,
+        perform_initialization=True,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
