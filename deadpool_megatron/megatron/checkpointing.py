@@ -208,9 +208,9 @@ def materialize_optimizer_state(optimizer) -> None:
     Before the first step torch's AdamW has no state (no `step`), and megatron-core's
     DistributedOptimizer.state_dict() asserts on it. torch's Adam and AdamW get the state their
     first step would create, as zeros (`fresh_adam_state`); any other optimizer takes a
-    zero-gradient step, as megatron-core itself does for its FSDP path (on CPU that step is
-    half of a recovery's model build: 0.27 of 0.54 s at 50M parameters, scripts/bench_build.py).
-    The load overwrites the state entirely, parameters included.
+    zero-gradient step, as megatron-core itself does for its FSDP path (on CPU, that step's
+    arithmetic over every parameter was half of a recovery's model build; see
+    scripts/bench_build.py). The load overwrites the state entirely, parameters included.
     """
     for megatron_opt in inner_optimizers(optimizer):
         torch_opt = megatron_opt.optimizer
