@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 import struct
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -114,6 +117,14 @@ class RingReplicator:
             self._cond.notify_all()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def where(self) -> str:
+        """Where the replication thread is now (its innermost frames), for a log line."""
+        frame = sys._current_frames().get(self._thread.ident)
+        if frame is None:
+            return "ended"
+        return " <- ".join(f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"
+                           for f, _ in list(traceback.walk_stack(frame))[:6])  # fmt: skip
 
     # -- the thread -------------------------------------------------------------------------
     def _next_to_send(self, last_sent: int) -> tuple[Slot | None, bool]:
