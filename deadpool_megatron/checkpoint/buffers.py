@@ -57,6 +57,10 @@ def allocate(nbytes: int, pin: bool) -> torch.Tensor:
     return buf[:nbytes]
 
 
+def _age(slot: Slot) -> tuple[int, int]:
+    return slot.iteration, slot.order
+
+
 @dataclass
 class Slot:
     buffer: torch.Tensor
@@ -66,6 +70,8 @@ class Slot:
     prefix_checksum: int | None = None  # of the pair's first prefix_nbytes bytes (the sent part)
     committed: bool = False
     busy: bool = False  # being written, or read by a sender
+    order: int = 0  # commits of its pair so far when it was committed: the later of two
+    # copies of one iteration (a recovery's new generation rewrites the one it rolled back to)
 
     def verify(self) -> bool:
         return self.checksum is not None and (
@@ -85,6 +91,8 @@ class SlotPair:
         records that part's checksum (`Slot.prefix_checksum`) in the same pass."""
         self.slots = [Slot(allocate(nbytes, pin)), Slot(allocate(nbytes, pin))]
         self.nbytes = nbytes
+        self.pin = pin
+        self._commits = 0
         self.prefix_nbytes = nbytes if prefix_nbytes is None else prefix_nbytes
         if not 0 <= self.prefix_nbytes <= nbytes:
             raise ValueError(f"prefix_nbytes {prefix_nbytes} must lie in [0, {nbytes}]")
@@ -94,7 +102,7 @@ class SlotPair:
         """The newest committed slot."""
         with self.lock:
             done = [s for s in self.slots if s.committed]
-            return max(done, key=lambda s: s.iteration) if done else None
+            return max(done, key=_age) if done else None
 
     def find(self, iteration: int | None = None) -> Slot | None:
         """The committed slot holding `iteration` (None: the newest), if any."""
@@ -102,6 +110,20 @@ class SlotPair:
             return self.committed()
         with self.lock:
             return next((s for s in self.slots if s.committed and s.iteration == iteration), None)
+
+    def fits(self, nbytes: int, pin: bool, prefix_nbytes: int | None = None) -> bool:
+        """Whether this pair can take the place of a new `SlotPair(nbytes, pin, prefix_nbytes)`."""
+        prefix = nbytes if prefix_nbytes is None else prefix_nbytes
+        return (self.nbytes, self.pin, self.prefix_nbytes) == (nbytes, pin, prefix)
+
+    def drop_newer(self, iteration: int) -> None:
+        """Uncommit every copy newer than `iteration`: a generation that rolled back to it
+        must neither serve nor keep a state it has not reached again."""
+        with self.lock:
+            for s in self.slots:
+                if s.committed and s.iteration > iteration:
+                    s.committed = False
+            self.lock.notify_all()
 
     def iterations(self) -> list[int]:
         """Every committed iteration this pair holds (one or two)."""
@@ -115,13 +137,9 @@ class SlotPair:
             while True:
                 free = [s for s in self.slots if not s.busy]
                 if free:
-                    newest = max(
-                        (s for s in self.slots if s.committed),
-                        key=lambda s: s.iteration,
-                        default=None,
-                    )
+                    newest = max((s for s in self.slots if s.committed), key=_age, default=None)
                     candidates = [s for s in free if s is not newest] or free
-                    slot = min(candidates, key=lambda s: s.iteration)
+                    slot = min(candidates, key=lambda s: (s.committed, *_age(s)))
                     slot.busy = True
                     slot.committed = False
                     return slot
@@ -142,6 +160,8 @@ class SlotPair:
                 )
             slot.iteration, slot.meta, slot.checksum = iteration, meta, actual
             slot.prefix_checksum, slot.committed = part, True
+            self._commits += 1
+            slot.order = self._commits
             self.lock.notify_all()
 
     def abandon(self, slot: Slot) -> None:
@@ -162,3 +182,22 @@ class SlotPair:
         with self.lock:
             slot.busy = False
             self.lock.notify_all()
+
+
+@dataclass(frozen=True)
+class Reusable:
+    """Slot pairs a recovery hands to its new generation's pipeline instead of allocating new
+    ones. Each holds the committed copy the generation rolled back to (and nothing newer): the
+    pipeline's first writes go to the other slot, so that copy stays served until the new
+    generation has committed its own. Survivors keep their coordinates, so their snapshot and
+    replicas keep their sizes: a recovery then allocates (and zeroes) nothing, and its host
+    memory stays at two copies instead of four while it runs."""
+
+    snapshots: tuple[SlotPair, ...] = ()
+    replicas: tuple[tuple[int, SlotPair], ...] = ()  # (owner, pair)
+
+    def snapshot(self, nbytes: int, pin: bool, prefix_nbytes: int) -> SlotPair | None:
+        return next((p for p in self.snapshots if p.fits(nbytes, pin, prefix_nbytes)), None)
+
+    def replica(self, owner: int, nbytes: int) -> SlotPair | None:
+        return next((p for o, p in self.replicas if o == owner and p.fits(nbytes, False)), None)

@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from ..errors import ConfigError
-from .buffers import SAMPLES
+from .buffers import SAMPLES, Reusable, SlotPair
 from .layout import ProtectedState, view_of
 from .replicator import RingReplicator
 from .snapshot import Snapshotter
@@ -75,28 +75,36 @@ class ProtectionPipeline:
         install_fence: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
         before_send: Callable[[int], bool | None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        reuse: Reusable | None = None,
     ):
         """`install_fence(fence)` makes the training loop call `fence()` before every optimizer
         step and returns the function that removes it; `before_send(iteration)` runs in the
         replication thread before each send (fault injection), `on_error(err)` there when
-        replication fails (the training thread may never notice)."""
+        replication fails (the training thread may never notice); `reuse`: a recovery's slot
+        pairs, written into instead of new ones where they fit."""
         self.state = state
         layout = state.layout
         self.interval = snapshot_interval
         self.metadata = dict(metadata or {})
+        reuse = reuse or Reusable()
+        own = reuse.snapshot(layout.total_nbytes, use_cuda, layout.optimizer_nbytes)
+        kept = {p: reuse.replica(p, replica_nbytes[p]) for p in predecessors}
+        kept = {p: pair for p, pair in kept.items() if pair is not None}
         replicas_total = sum(replica_nbytes[p] for p in predecessors)
         needed = 2 * layout.total_nbytes + 2 * replicas_total
-        check_host_memory(needed, local_ranks)
+        reused = 2 * (own.nbytes if own else 0) + 2 * sum(p.nbytes for p in kept.values())
+        check_host_memory(needed - reused, local_ranks)
         log.info(
             "reserving %.1f MiB of host memory: snapshot 2 x %.1f MiB (optimizer shard %.1f + "
-            "parameters %.1f) + 2 x %.1f MiB of replicas from %d predecessor(s)",
+            "parameters %.1f) + 2 x %.1f MiB of replicas from %d predecessor(s)%s",
             needed / MiB, layout.total_nbytes / MiB, layout.optimizer_nbytes / MiB,
             layout.params_nbytes / MiB, replicas_total / MiB, len(predecessors),
+            f"; {reused / MiB:.1f} MiB of it kept from before the failure" if reused else "",
         )  # fmt: skip
         self._views: dict[int, list[torch.Tensor]] = {}
         self.snapshotter = Snapshotter(
             state.tensors, self._views_of, layout.total_nbytes, use_cuda, self._on_commit,
-            replicated_nbytes=layout.optimizer_nbytes,
+            replicated_nbytes=layout.optimizer_nbytes, slots=own,
         )  # fmt: skip
         self.replicator = RingReplicator(
             transport,
@@ -107,6 +115,7 @@ class ProtectionPipeline:
             replica_nbytes,
             before_send=before_send,
             on_error=on_error,
+            reuse=kept,
         )
         self.stats = PipelineStats()
         self._previous: int | None = None  # iteration of the last snapshot started
@@ -206,6 +215,15 @@ class ProtectionPipeline:
                             "waits in %s", wait_s, self.replicator.where())  # fmt: skip
             self.snapshotter.close()
             self._remove_fence()
+
+    @property
+    def stopped(self) -> bool:
+        """Neither of its threads runs any more (after `abort` or `close`): nothing writes
+        into its slot pairs but a new owner."""
+        return self.snapshotter.stopped and self.replicator.stopped
+
+    def slot_pairs(self) -> list[SlotPair]:
+        return [self.snapshotter.slots, *self.replicator.replicas.values()]
 
     @property
     def errors(self) -> list[str]:

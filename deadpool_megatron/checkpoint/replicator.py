@@ -59,7 +59,9 @@ class RingReplicator:
         replica_nbytes: dict[int, int],
         before_send: Callable[[int], bool | None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
+        reuse: dict[int, SlotPair] | None = None,
     ):
+        """`reuse`: replica pairs to write into instead of allocating them, by owner."""
         self.transport = transport
         self.successors = successors
         self.predecessors = predecessors
@@ -67,7 +69,14 @@ class RingReplicator:
         self.payload_nbytes = payload_nbytes
         # DP ranks own shards of different sizes (parameter boundaries), so each replica is
         # sized by its owner's layout.
-        self.replicas = {src: SlotPair(replica_nbytes[src]) for src in predecessors}
+        reuse = reuse or {}
+        for src, pair in reuse.items():
+            if src not in predecessors or not pair.fits(replica_nbytes[src], False):
+                raise ValueError(f"the replica pair offered for rank {src} does not fit its "
+                                 f"{replica_nbytes.get(src)}-byte shard")  # fmt: skip
+        self.replicas = {
+            src: reuse.get(src) or SlotPair(replica_nbytes[src]) for src in predecessors
+        }
         self.stats = ReplicationStats()
         self.errors: list[str] = []
         self._cond = threading.Condition()
@@ -116,6 +125,10 @@ class RingReplicator:
             self._stop = self._aborted = True
             self._cond.notify_all()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def stopped(self) -> bool:
         return not self._thread.is_alive()
 
     def where(self) -> str:

@@ -34,13 +34,17 @@ class Snapshotter:
         use_cuda: bool,
         on_commit: Callable[[Slot], None] | None = None,
         replicated_nbytes: int | None = None,
+        slots: SlotPair | None = None,
     ):
         """`replicated_nbytes`: the leading part of a snapshot the ring sends (its checksum is
-        taken in the same pass as the whole snapshot's)."""
+        taken in the same pass as the whole snapshot's); `slots`: a pair to write into instead
+        of allocating one (a recovery's, `Reusable`), of that size."""
         self._tensors_fn = tensors_fn
         self._views_fn = views_fn
         self.use_cuda = use_cuda
-        self.slots = SlotPair(nbytes, pin=use_cuda, prefix_nbytes=replicated_nbytes)
+        if slots is not None and not slots.fits(nbytes, use_cuda, replicated_nbytes):
+            raise ValueError(f"a {slots.nbytes}-byte slot pair cannot hold {nbytes}-byte snapshots")
+        self.slots = slots or SlotPair(nbytes, pin=use_cuda, prefix_nbytes=replicated_nbytes)
         self._on_commit = on_commit
         self._stream = torch.cuda.Stream() if use_cuda else None
         self._work: queue.Queue = queue.Queue()
@@ -137,6 +141,10 @@ class Snapshotter:
     def close(self) -> None:
         self._work.put(None)
         self._thread.join(timeout=30)
+
+    @property
+    def stopped(self) -> bool:
+        return not self._thread.is_alive()
 
 
 def _join_with_timeout(q: queue.Queue, timeout: float) -> None:

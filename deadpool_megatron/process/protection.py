@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ..checkpoint.buffers import Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.transport import GlooTransport
 from ..config import JobConfig
@@ -31,9 +32,10 @@ def build_pipeline(
     generation: int = 0,
     before_send: Callable[[int], bool | None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
+    reuse: Reusable | None = None,
 ) -> ProtectionPipeline:
     """Collective over every ring: its edges' groups are created, then shard sizes exchanged
-    on it."""
+    on it. `reuse`: a recovery's slot pairs (see `Reusable`)."""
     p = cfg.parallel
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -67,4 +69,5 @@ def build_pipeline(
         install_fence=step_fence_installer(state.optimizer),
         before_send=before_send,
         on_error=on_error,
+        reuse=reuse,
     )

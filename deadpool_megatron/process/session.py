@@ -113,5 +113,5 @@ class ProtectedLoop(LoopHooks):
     def start(self, state: TrainState, iteration: int) -> None:
         """Generation 0's protection pipeline (collective), attached to the loop."""
         p = self.position
-        pipeline = None if self.protect is None else self.protect(state, p.on_gpu, 0)
+        pipeline = None if self.protect is None else self.protect(state, p.on_gpu, 0, None)
         p.attach(state, iteration, pipeline)

@@ -11,6 +11,7 @@ from functools import partial
 import psutil
 import torch.distributed as dist
 
+from ..checkpoint.buffers import Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control import keys
@@ -172,12 +173,14 @@ def _protect(
     state: TrainState,
     on_gpu: bool,
     generation: int,
+    reuse: Reusable | None = None,
 ) -> ProtectionPipeline:
     """A generation's protection pipeline; replication faults and errors go to the guard
     (none for a single process without a launcher)."""
     if guard is None:
-        return build_pipeline(cfg, state, env, on_gpu, generation)
-    return build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send, guard.report)
+        return build_pipeline(cfg, state, env, on_gpu, generation, reuse=reuse)
+    return build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send, guard.report,
+                          reuse)  # fmt: skip
 
 
 def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, events: EventLog) -> Trainer:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..checkpoint.buffers import Slot, SlotPair
+from ..checkpoint.buffers import Reusable, Slot, SlotPair
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.restore import (
     Expected,
@@ -114,13 +114,35 @@ class Held:
 
     snapshots: list[SlotPair] = field(default_factory=list)
     replicas: dict[int, list[SlotPair]] = field(default_factory=dict)
+    # Pairs a thread left behind may still write into (ids): never handed to a new pipeline.
+    in_use: set[int] = field(default_factory=set)
 
     def keep(self, pipeline: ProtectionPipeline) -> None:
+        if not pipeline.stopped:
+            self.in_use.update(id(p) for p in pipeline.slot_pairs())
         if pipeline.snapshotter.slots.committed() is None:
             return
         self.snapshots.insert(0, pipeline.snapshotter.slots)
         for owner, pair in pipeline.replicator.replicas.items():
             self.replicas.setdefault(owner, []).insert(0, pair)
+
+    def offer(self, iteration: int) -> Reusable:
+        """The pairs holding `iteration` that no thread writes into any more, for the
+        generation that rolls back to it; the copies newer than it are dropped from them.
+        Their other slot (an older copy, if any) is the first a new pipeline overwrites, as
+        in training; the copy of `iteration` stays served until a new one is committed."""
+
+        def fit(pairs: list[SlotPair]) -> list[SlotPair]:
+            found = [p for p in dict.fromkeys(pairs) if id(p) not in self.in_use
+                     and p.find(iteration) is not None]  # fmt: skip
+            for p in found:
+                p.drop_newer(iteration)
+            return found
+
+        return Reusable(
+            tuple(fit(self.snapshots)),
+            tuple((o, p) for o, ps in self.replicas.items() for p in fit(ps)),
+        )
 
     def holdings(self) -> RankHoldings:
         return RankHoldings(
@@ -167,7 +189,8 @@ class Rebuilt:
 
 
 MakeTrainer = Callable[[TrainState, bool], Trainer]
-Protect = Callable[[TrainState, bool, int], ProtectionPipeline]
+# (state, on_gpu, generation, slot pairs to reuse) -> the generation's pipeline
+Protect = Callable[[TrainState, bool, int, Reusable | None], ProtectionPipeline]
 
 
 class ProcessRecovery:
@@ -527,7 +550,8 @@ class ProcessRecovery:
     # -- 7. resume ---------------------------------------------------------------------------
     def resume(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         t = time.perf_counter()
-        pipeline = self.protect(rebuilt.state, rebuilt.on_gpu, plan.generation)
+        reuse = self.held.offer(plan.iteration)
+        pipeline = self.protect(rebuilt.state, rebuilt.on_gpu, plan.generation, reuse)
         pipeline.after_step(plan.iteration)  # the new generation protects itself
         rebuilt.phases["rebuild_pipeline"] = time.perf_counter() - t
         rebuilt.trainer.attach(rebuilt.state, plan.iteration, pipeline)
