@@ -50,29 +50,30 @@ class ForkedProcess:
         return self.returncode
 
 
-class ForkServer:
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
+class ServerLink:
+    """The agent's end of the fork server's socket: one start request at a time, and a reader
+    thread that routes what comes back (the readiness report, each request's reply, in order,
+    and every child's exit, which can arrive before the reply has been handed back). When the
+    server is gone its children are too (parent-death signals): each is reported killed once
+    its process has disappeared (`alive`), at most ORPHAN_WAIT_S after."""
+
+    ORPHAN_WAIT_S = 5.0
+
     def __init__(
         self,
-        env: dict[str, str],
-        preload: tuple[str, ...] = DEFAULT_PRELOAD,
-        output: Callable[[bytes], None] | None = None,
-        script_folder: str = "",
+        sock: socket.socket,
+        on_ready: Callable[[dict], None] = lambda message: None,
+        alive: Callable[[int], bool] = _alive,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ):
-        """Start the server now (it imports while the caller goes on); the
-        first spawn() waits until it is ready. `output` gets each line it prints itself;
-        `script_folder` is where the children's script lies (first on the server's path)."""
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock = ours
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deadpool_megatron.agent.forkserver", str(theirs.fileno()),
-             ",".join(preload), script_folder],
-            env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-        theirs.close()
-        self._output = output or (lambda line: sys.stdout.buffer.write(line))
-        self._pump = threading.Thread(target=self._pump_output, daemon=True)
-        self._pump.start()
+        self._sock = sock
+        self._on_ready = on_ready  # the server's readiness report, when it says it can fork
+        self._alive, self._clock, self._sleep = alive, clock, sleep
         self._replies: queue.Queue[dict] = queue.Queue()
         self._children: dict[int, ForkedProcess] = {}
         self._lock = threading.Lock()  # one request at a time: replies come in order
@@ -81,10 +82,6 @@ class ForkServer:
         self.reason = ""
         self._reader = threading.Thread(target=self._read, name="fork-server", daemon=True)
         self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Raises ForkServerUnavailable with the reason when it cannot fork children."""
@@ -96,22 +93,23 @@ class ForkServer:
         if not self._ready:
             raise ForkServerUnavailable(self.reason)
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None
-              ) -> ForkedProcess:  # fmt: skip
-        """Start `python argv...` as a child of the server, stdout and stderr into a pipe."""
+    def spawn(self, request: Request, reply_timeout: float = REPLY_TIMEOUT_S) -> ForkedProcess:
+        """Ask for one child, its stdout and stderr into a new pipe whose read end it gets."""
         self.wait_ready()
-        request = Request(list(argv), dict(env), cwd or os.getcwd())
         read_end, write_end = os.pipe()
         try:
-            reply = self._request(request, write_end)
+            reply = self._request(request, write_end, reply_timeout)
             if "pid" not in reply:
                 raise ForkServerUnavailable(reply.get("error", f"unexpected reply {reply}"))
         except BaseException:
             os.close(read_end)
             raise
-        return self._adopt(reply["pid"], read_end)
+        with self._state:  # the reader made it with the reply: its exit may follow at once
+            child = self._children[reply["pid"]]
+        child.stdout = os.fdopen(read_end, "rb")
+        return child
 
-    def _request(self, request: Request, write_end: int) -> dict:
+    def _request(self, request: Request, write_end: int, timeout: float) -> dict:
         """Send one start (the server gets its own copy of `write_end`, which is closed
         here) and wait for its answer."""
         try:
@@ -119,22 +117,14 @@ class ForkServer:
                 socket.send_fds(self._sock, [encode(request.message())], [write_end])
                 os.close(write_end)
                 write_end = -1
-                return self._replies.get(timeout=REPLY_TIMEOUT_S)
+                return self._replies.get(timeout=timeout)
         except queue.Empty:
-            raise ForkServerUnavailable(
-                f"no answer to a start within {REPLY_TIMEOUT_S:.0f} s"
-            ) from None
+            raise ForkServerUnavailable(f"no answer to a start within {timeout:.0f} s") from None
         except OSError as err:
             raise ForkServerUnavailable(f"the fork server is gone: {err}") from err
         finally:
             if write_end >= 0:
                 os.close(write_end)
-
-    def _adopt(self, pid: int, read_end: int) -> ForkedProcess:
-        with self._state:  # the reader made it with the reply: its exit may follow at once
-            child = self._children[pid]
-        child.stdout = os.fdopen(read_end, "rb")
-        return child
 
     def _read(self) -> None:
         while True:
@@ -152,8 +142,7 @@ class ForkServer:
                     self.reason = message.get("reason", "")
                     self._state.notify_all()
                 if self._ready:
-                    log.info("fork server ready (pid %d, preloaded %s)", self._proc.pid,
-                             ", ".join(message.get("preloaded", [])) or "nothing")  # fmt: skip
+                    self._on_ready(message)
             elif "exit" in message:
                 with self._state:
                     child = self._children.setdefault(
@@ -173,15 +162,73 @@ class ForkServer:
         with self._state:
             if self._ready is None:
                 self.reason = "it exited before it was ready"
+            elif self._ready:
+                self.reason = "the fork server exited"
             self._ready = False
             self._state.notify_all()
             orphans = [c for c in self._children.values() if c.returncode is None]
         for child in orphans:
-            deadline = time.monotonic() + 5.0
-            while os.path.exists(f"/proc/{child.pid}") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            deadline = self._clock() + self.ORPHAN_WAIT_S
+            while self._alive(child.pid) and self._clock() < deadline:
+                self._sleep(0.01)
             child._exited(-signal.SIGKILL)
         self._replies.put({"error": "the fork server exited"})
+
+    def close(self) -> None:
+        """Tell the server no more requests come (it ends once its children have)."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._reader.join(timeout)
+
+
+class ForkServer:
+    def __init__(
+        self,
+        env: dict[str, str],
+        preload: tuple[str, ...] = DEFAULT_PRELOAD,
+        output: Callable[[bytes], None] | None = None,
+        script_folder: str = "",
+    ):
+        """Start the server now (it imports while the caller goes on); the
+        first spawn() waits until it is ready. `output` gets each line it prints itself;
+        `script_folder` is where the children's script lies (first on the server's path)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "deadpool_megatron.agent.forkserver", str(theirs.fileno()),
+             ",".join(preload), script_folder],
+            env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        theirs.close()
+        self._output = output or (lambda line: sys.stdout.buffer.write(line))
+        self._pump = threading.Thread(target=self._pump_output, daemon=True)
+        self._pump.start()
+        self._link = ServerLink(ours, on_ready=self._log_ready)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def reason(self) -> str:
+        """Why it cannot fork children, once it has said so."""
+        return self._link.reason
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Raises ForkServerUnavailable with the reason when it cannot fork children."""
+        self._link.wait_ready(timeout)
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None = None
+              ) -> ForkedProcess:  # fmt: skip
+        """Start `python argv...` as a child of the server, stdout and stderr into a pipe."""
+        return self._link.spawn(Request(list(argv), dict(env), cwd or os.getcwd()))
+
+    def _log_ready(self, message: dict) -> None:
+        log.info("fork server ready (pid %d, preloaded %s)", self._proc.pid,
+                 ", ".join(message.get("preloaded", [])) or "nothing")  # fmt: skip
 
     def _pump_output(self) -> None:
         for line in iter(self._proc.stdout.readline, b""):
@@ -189,9 +236,7 @@ class ForkServer:
 
     def close(self) -> None:
         """Let the server end (its children should be gone by now)."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        self._link.close()
         try:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
