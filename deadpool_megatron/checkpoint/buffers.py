@@ -125,6 +125,12 @@ class SlotPair:
                     s.committed = False
             self.lock.notify_all()
 
+    @property
+    def idle(self) -> bool:
+        """Neither slot is being written or read."""
+        with self.lock:
+            return not any(s.busy for s in self.slots)
+
     def iterations(self) -> list[int]:
         """Every committed iteration this pair holds (one or two)."""
         with self.lock:

@@ -158,23 +158,29 @@ class RingReplicator:
         try:
             while (self.successors and not sent_stop) or open_preds:
                 sends, held, cpu = [], None, time.thread_time()
-                if self.successors and not sent_stop:
-                    held, sent_stop = self._next_to_send(last_sent)
-                    flip = False
-                    if held is not None and self.before_send is not None:
-                        flip = bool(self.before_send(held.iteration))
-                    posted = time.perf_counter()
-                    sends = self._post_sends(held, sent_stop, flip)
+                try:
+                    if self.successors and not sent_stop:
+                        held, sent_stop = self._next_to_send(last_sent)
+                        flip = False
+                        if held is not None and self.before_send is not None:
+                            flip = bool(self.before_send(held.iteration))
+                        posted = time.perf_counter()
+                        sends = self._post_sends(held, sent_stop, flip)
+                        if held is not None:
+                            last_sent = held.iteration
+                    for src in list(open_preds):
+                        if self._receive_one(src):
+                            open_preds.remove(src)
+                    for work in sends:
+                        work.wait()
                     if held is not None:
-                        last_sent = held.iteration
-                for src in list(open_preds):
-                    if self._receive_one(src):
-                        open_preds.remove(src)
-                for work in sends:
-                    work.wait()
-                if held is not None:
-                    self.stats.send_s.append(time.perf_counter() - posted)
-                    self.snapshots.release(held)
+                        self.stats.send_s.append(time.perf_counter() - posted)
+                finally:
+                    # Released on an error too: a slot left busy would be the only one the
+                    # snapshotter could write from then on (the pair may serve a recovery's
+                    # next generation), overwriting the newest copy every iteration.
+                    if held is not None:
+                        self.snapshots.release(held)
                 self.stats.cpu_s.append(time.thread_time() - cpu)
         except Exception as err:  # the job's failure handling takes it from here
             if self._aborted:
@@ -229,7 +235,11 @@ class RingReplicator:
                     f"rank {src} sent a {payload_len}-byte shard; its replica holds {pair.nbytes}"
                 )
             slot = pair.acquire_for_write()
-            self.transport.irecv(slot.buffer, src).wait()
+            try:
+                self.transport.irecv(slot.buffer, src).wait()
+            except BaseException:
+                pair.abandon(slot)  # half-received: never committed, free for the next one
+                raise
             with self._cond:
                 corrupt = src in self._corrupt_next
                 self._corrupt_next.discard(src)

@@ -62,8 +62,12 @@ class Snapshotter:
         """Begin copying the live state of `iteration`; returns without waiting."""
         self.fence()
         slot = self.slots.acquire_for_write()
-        sources = self._tensors_fn()
-        targets = self._views_fn(slot.buffer)
+        try:
+            sources = self._tensors_fn()
+            targets = self._views_fn(slot.buffer)
+        except BaseException:
+            self.slots.abandon(slot)
+            raise
         self._copy_done.clear()
         if self.use_cuda:  # pragma: no cover (GPU)
             try:

@@ -127,13 +127,13 @@ class Held:
             self.replicas.setdefault(owner, []).insert(0, pair)
 
     def offer(self, iteration: int) -> Reusable:
-        """The pairs holding `iteration` that no thread writes into any more, for the
+        """The idle pairs holding `iteration` that no thread uses any more, for the
         generation that rolls back to it; the copies newer than it are dropped from them.
         Their other slot (an older copy, if any) is the first a new pipeline overwrites, as
         in training; the copy of `iteration` stays served until a new one is committed."""
 
         def fit(pairs: list[SlotPair]) -> list[SlotPair]:
-            found = [p for p in dict.fromkeys(pairs) if id(p) not in self.in_use
+            found = [p for p in dict.fromkeys(pairs) if id(p) not in self.in_use and p.idle
                      and p.find(iteration) is not None]  # fmt: skip
             for p in found:
                 p.drop_newer(iteration)
