@@ -93,14 +93,22 @@ class ProtectionPipeline:
         replicas_total = sum(replica_nbytes[p] for p in predecessors)
         needed = 2 * layout.total_nbytes + 2 * replicas_total
         reused = 2 * (own.nbytes if own else 0) + 2 * sum(p.nbytes for p in kept.values())
-        check_host_memory(needed - reused, local_ranks)
+        reserved = min(reuse.arena.free, needed - reused) if reuse.arena is not None else 0
+        check_host_memory(needed - reused - reserved, local_ranks)
         log.info(
             "reserving %.1f MiB of host memory: snapshot 2 x %.1f MiB (optimizer shard %.1f + "
-            "parameters %.1f) + 2 x %.1f MiB of replicas from %d predecessor(s)%s",
+            "parameters %.1f) + 2 x %.1f MiB of replicas from %d predecessor(s)%s%s",
             needed / MiB, layout.total_nbytes / MiB, layout.optimizer_nbytes / MiB,
             layout.params_nbytes / MiB, replicas_total / MiB, len(predecessors),
             f"; {reused / MiB:.1f} MiB of it kept from before the failure" if reused else "",
+            f"; {reserved / MiB:.1f} MiB of it reserved while the spare was idle"
+            if reserved else "",
         )  # fmt: skip
+        if own is None:
+            own = reuse.new_pair(layout.total_nbytes, use_cuda, layout.optimizer_nbytes)
+        for p in predecessors:
+            if p not in kept:
+                kept[p] = reuse.new_pair(replica_nbytes[p])
         self._views: dict[int, list[torch.Tensor]] = {}
         self.snapshotter = Snapshotter(
             state.tensors, self._views_of, layout.total_nbytes, use_cuda, self._on_commit,
@@ -224,6 +232,10 @@ class ProtectionPipeline:
 
     def slot_pairs(self) -> list[SlotPair]:
         return [self.snapshotter.slots, *self.replicator.replicas.values()]
+
+    def footprint(self) -> list[int]:
+        """The size of each host buffer it holds (two per pair): what a spare reserves."""
+        return [s.buffer.numel() for p in self.slot_pairs() for s in p.slots]
 
     @property
     def errors(self) -> list[str]:

@@ -25,6 +25,7 @@ from .messages import (
     FailureReport,
     Flag,
     Heartbeat,
+    HostFootprint,
     Injection,
     Registration,
     SpareRegistration,
@@ -97,6 +98,13 @@ class ControlClient:
             keys.spare(self.ctx.job, spare_id(index)),
             SpareRegistration(socket.gethostname(), os.getpid()),
         )
+
+    def publish_footprint(self, rank: int, footprint: HostFootprint) -> None:
+        """The host buffers `rank`'s protection holds, for the spares to reserve ahead."""
+        self.ctx.put(keys.footprint(self.ctx.job, rank), footprint)
+
+    def footprint(self, rank: int) -> HostFootprint | None:
+        return self.ctx.get(keys.footprint(self.ctx.job, rank), HostFootprint)
 
     def claim_fault(self, fault: str) -> bool:
         """True for the first process of the job to fire `fault`, False for any later one."""

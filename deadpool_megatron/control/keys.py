@@ -108,6 +108,12 @@ def recovery_plan(job: str, generation: int) -> str:
     return f"{_job(job)}/gen/{generation}/plan"
 
 
+def footprint(job: str, rank: int) -> str:
+    """The host buffers rank `rank`'s protection pipeline allocates (written at start-up;
+    the same in every generation, as the rank's coordinates are)."""
+    return f"{_job(job)}/footprint/{rank}"
+
+
 def assignment(job: str, spare_id: str) -> str:
     """The rank and generation a claimed spare takes over (written after the claim)."""
     return f"{_job(job)}/spare/{spare_id}/assignment"

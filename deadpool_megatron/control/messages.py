@@ -294,6 +294,20 @@ class PlanDecision(Record):
 
 
 @dataclass(frozen=True)
+class HostFootprint(Record):
+    """The host buffers a rank's protection pipeline allocates (bytes each: its two snapshot
+    slots, then two per replica it keeps), written once at start-up; an idle spare reserves
+    the largest rank's before it is claimed."""
+
+    buffers: tuple[int, ...]
+    pin: bool
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> HostFootprint:
+        return cls(tuple(int(n) for n in doc["buffers"]), bool(doc["pin"]))
+
+
+@dataclass(frozen=True)
 class SpareAssignment(Record):
     """The rank and generation a claimed spare takes over (written after the claim)."""
 

@@ -2,7 +2,8 @@
 job's end.
 
 While idle it pays in advance what a hot-swap would otherwise pay: the imports of torch and
-megatron-core and the CPU backend's routing (several seconds per process here). When the
+megatron-core and the CPU backend's routing (several seconds per process here), and the host
+memory of its protection buffers (`reserve.py`). When the
 agent claims it for a failed rank, it finds its assignment (rank, generation) in the store and
 becomes that rank: it joins the generation's communicators and receives the rank's state
 (process/worker.py, recovery/stages.py).
@@ -21,6 +22,7 @@ from ..control.messages import SpareAssignment, spare_id
 from ..errors import DeadpoolError
 from ..events import SPARE_REGISTERED, EventLog
 from ..runtime import ROLE_WORKER, ProcessEnv, freeze_imports
+from .reserve import SpareReserve
 
 log = logging.getLogger("deadpool.spare")
 
@@ -62,9 +64,12 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
         iteration=lambda: 0,
     )
 
+    reserve = SpareReserve(client.footprint, env.world_size)
+
     def finished() -> None:
         if client.job_finished():
             raise JobFinished("the job finished")
+        reserve.poll()
 
     try:
         order = ctx.wait_for(keys.assignment(ctx.job, me), SpareAssignment, interrupt=finished,
@@ -81,7 +86,7 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
     from .worker import Takeover, run_worker
 
     worker_env = dataclasses.replace(env, rank=order.rank, role=ROLE_WORKER)
-    takeover = Takeover(ctx, client, order.generation)
+    takeover = Takeover(ctx, client, order.generation, reserve.arena)
     if become is not None:
         return become(worker_env, takeover)
     return run_worker(cfg, worker_env, takeover)

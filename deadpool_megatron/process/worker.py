@@ -11,12 +11,13 @@ from functools import partial
 import psutil
 import torch.distributed as dist
 
-from ..checkpoint.buffers import Reusable
+from ..checkpoint.buffers import HostArena, Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control import keys
 from ..control.client import ControlClient, connect, control_ports
 from ..control.context import JobContext
+from ..control.messages import HostFootprint
 from ..events import CHECKPOINT_LOADED, EventLog
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
@@ -36,11 +37,13 @@ log = logging.getLogger("deadpool.worker")
 
 @dataclass(frozen=True)
 class Takeover:
-    """A claimed spare becoming a worker: its job context and client, the generation it joins."""
+    """A claimed spare becoming a worker: its job context and client, the generation it
+    joins, and the host memory it reserved while idle (`SpareReserve`), if any."""
 
     ctx: JobContext
     client: ControlClient
     generation: int
+    reserve: HostArena | None = None
 
 
 def open_store(env: ProcessEnv, cfg: JobConfig) -> dist.Store:
@@ -86,7 +89,7 @@ def watch(
     recovery = ProcessRecovery(
         cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
         protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
-        keep_model=keep_model,
+        keep_model=keep_model, reserve=takeover.reserve if takeover is not None else None,
     )  # fmt: skip
     if takeover is not None:
         recovery.joining(takeover.generation)  # not a new order to its watcher
@@ -179,8 +182,12 @@ def _protect(
     (none for a single process without a launcher)."""
     if guard is None:
         return build_pipeline(cfg, state, env, on_gpu, generation, reuse=reuse)
-    return build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send, guard.report,
-                          reuse)  # fmt: skip
+    pipeline = build_pipeline(cfg, state, env, on_gpu, generation, guard.before_send,
+                              guard.report, reuse)  # fmt: skip
+    if generation == 0:  # a rank's buffers keep their sizes through every generation
+        footprint = HostFootprint(tuple(pipeline.footprint()), on_gpu)
+        guard.client.publish_footprint(env.rank, footprint)
+    return pipeline
 
 
 def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, events: EventLog) -> Trainer:

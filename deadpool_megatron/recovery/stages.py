@@ -33,6 +33,7 @@ protected its own state.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import logging
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..checkpoint.buffers import Reusable, Slot, SlotPair
+from ..checkpoint.buffers import HostArena, Reusable, Slot, SlotPair
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.restore import (
     Expected,
@@ -210,7 +211,10 @@ class ProcessRecovery:
         sleep: Callable[[float], None] = time.sleep,
         cpu_clock: Callable[[], float] = time.process_time,
         keep_model: bool = False,
+        reserve: HostArena | None = None,
     ):
+        """`reserve`: a claimed spare's host memory reserved while it was idle, for the slot
+        pairs of its first pipeline."""
         self.cfg = cfg
         self.env = env
         self.ctx = ctx
@@ -245,6 +249,7 @@ class ProcessRecovery:
         # builds the model), and the role of every group it may hold, until it resumes.
         self.keep_model = keep_model
         self._kept: Kept | None = None
+        self._reserve = reserve
         self._roles: dict[int, tuple] = {}
 
     # -- entry points ------------------------------------------------------------------------
@@ -550,7 +555,8 @@ class ProcessRecovery:
     # -- 7. resume ---------------------------------------------------------------------------
     def resume(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         t = time.perf_counter()
-        reuse = self.held.offer(plan.iteration)
+        reuse = dataclasses.replace(self.held.offer(plan.iteration), arena=self._reserve)
+        self._reserve = None  # carved into this pipeline's pairs: theirs from now on
         pipeline = self.protect(rebuilt.state, rebuilt.on_gpu, plan.generation, reuse)
         pipeline.after_step(plan.iteration)  # the new generation protects itself
         rebuilt.phases["rebuild_pipeline"] = time.perf_counter() - t

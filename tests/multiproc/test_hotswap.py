@@ -4,6 +4,8 @@ the same configuration (per-iteration loss hex values and the final state digest
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from deadpool_megatron.events import read_events
@@ -235,6 +237,8 @@ def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2
     done = _assert_recovered(events, recoveries=2)
     assert [d["replaced"] for d in done] == [{"1": "spare-0"}, {"2": "spare-1"}]
     assert [e["generation"] for e in _named(events, "recovery_started")] == [1, 2]
+    # Spare 1 idled through generation 0's start: it reserved its buffers before its claim.
+    assert re.search(r"\[spare 1\] .*reserved while the spare was idle", result.output)
 
 
 def test_a_fresh_spare_replenishes_the_pool_and_serves_the_next_failure(tmp_path, baseline_pp2):
