@@ -20,7 +20,9 @@ no detection, so their restart includes it). Writes JSON and a PNG; the last lin
 is one JSON object:
 {"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "torchrun_lost_s", "ratio_torchrun",
  "nvrx_lost_s", "ratio_nvrx" (null without ft_launcher), "hotswap_recovery_s",
- "hotswap_growth_over_sizes", ...}.
+ "hotswap_growth_over_sizes", "hotswap_growth_beyond_iteration" (the same for the recovery
+ minus one normal iteration: the resumed iteration it ends with costs what any iteration of
+ that model costs), ...}.
 
 nvidia-resiliency-ext's launcher runs from an environment of its own (it only launches: the
 workers run this interpreter, through --no-python), e.g.
@@ -159,6 +161,9 @@ def breakdown_hotswap(events: list[dict], iter_s: float) -> dict:
     out = {k: phases.get(k, 0.0) for k in HOTSWAP_PHASES}
     out["replay"] = done["replayed_iterations"] * iter_s
     out["recovery_total_s"] = done["total_s"]
+    # The recovery ends with one resumed iteration, which costs what any iteration of this
+    # model costs: what is left beyond it is the part that should not grow with the model.
+    out["beyond_iteration_s"] = done["total_s"] - iter_s
     out["bytes_moved"] = done["bytes_moved"]
     return out
 
@@ -245,7 +250,8 @@ def main(argv=None) -> int:
         print(
             f"hidden {hidden} ({r['parameters'] / 1e6:.2f}M params, {iter_s * 1000:.0f} ms/iter): "
             f"lost per failure: hot-swap {r['hotswap']['lost_s']:.2f} s (recovery "
-            f"{r['hotswap']['recovery_total_s']:.2f} s: "
+            f"{r['hotswap']['recovery_total_s']:.2f} s, "
+            f"{r['hotswap']['beyond_iteration_s']:.2f} s beyond one iteration: "
             + ", ".join(f"{k} {r['hotswap'][k]:.3f}" for k in HOTSWAP_PHASES)
             + f"), checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
             f"{r['ckpt_restart']['detect']:.3f}, restart {r['ckpt_restart']['restart_processes']:.2f}"
@@ -276,6 +282,9 @@ def main(argv=None) -> int:
         "hotswap_recovery_s": first["hotswap"]["recovery_total_s"],
         "hotswap_growth_over_sizes": last["hotswap"]["recovery_total_s"]
         / first["hotswap"]["recovery_total_s"]
+        - 1.0,
+        "hotswap_growth_beyond_iteration": last["hotswap"]["beyond_iteration_s"]
+        / first["hotswap"]["beyond_iteration_s"]
         - 1.0,
         "parameters_ratio": last["parameters"] / first["parameters"],
         "save_interval": a.save_interval,
