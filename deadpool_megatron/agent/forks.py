@@ -185,6 +185,9 @@ class ServerLink:
 
 
 class ForkServer:
+    """The fork server's process (started at once, importing while the agent goes on), the
+    pump of what it prints, and its `ServerLink`."""
+
     def __init__(
         self,
         env: dict[str, str],

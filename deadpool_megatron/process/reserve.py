@@ -17,11 +17,10 @@ import psutil
 import torch
 
 from ..checkpoint.buffers import HostArena, arena_nbytes
+from ..checkpoint.pipeline import MiB
 from ..control.messages import HostFootprint
 
 log = logging.getLogger("deadpool.spare")
-
-MiB = 2**20
 
 
 class SpareReserve:
