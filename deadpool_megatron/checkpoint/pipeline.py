@@ -29,12 +29,14 @@ log = logging.getLogger("deadpool.pipeline")
 
 MiB = 1024 * 1024
 # After the communicators' abort the replication thread's waits end within milliseconds,
-# except a receive whose sender stopped in the middle of a message (it aborted too, and holds
-# the connection open): gloo wakes that one only at the group's timeout. Seen with a 60 MB
-# replica: the stop waited its whole 10 s limit in 4 of 12 jobs with a peer killed while the
-# ring was sending. The thread is left behind then: it holds only the slot it was writing
-# (never committed, not among the holdings), and its operation ends at the group's timeout.
-REPLICATION_STOP_S = 1.0
+# except a transfer the abort cut in the middle of a message (both ends alive, or the sender
+# aborted too and holds the connection open): gloo wakes those only at the group's timeout.
+# Seen with a 60 MB replica: the stop waited its whole 10 s limit in 4 of 12 jobs with a peer
+# killed while the ring was sending, later its 1 s limit in 1 job of 3. The thread is left
+# behind then: it holds only the slot it was writing or sending (never committed, or already
+# among the holdings), touches no other pair (`RingReplicator._unless_aborted`), and its
+# operation ends at the group's timeout.
+REPLICATION_STOP_S = 0.25
 
 
 @dataclass

@@ -27,10 +27,16 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DeadpoolError
 from .buffers import MAX_META_BYTES, SAMPLES, CorruptCopy, Slot, SlotPair, checksum
 from .transport import Transport
 
 log = logging.getLogger("deadpool.replicate")
+
+
+class ReplicationAborted(DeadpoolError):
+    """The thread found the replication aborted before touching a slot pair."""
+
 
 HEADER = struct.Struct("<qqqqQ")  # flags, iteration, meta length, payload length, checksum
 FLAG_DATA = 1
@@ -140,9 +146,19 @@ class RingReplicator:
                            for f, _ in list(traceback.walk_stack(frame))[:6])  # fmt: skip
 
     # -- the thread -------------------------------------------------------------------------
+    def _unless_aborted(self) -> None:
+        """Before the thread touches a slot pair: after an abort it touches none but the one
+        it holds a slot of already (a wait gloo woke late), so a recovery can hand the
+        others to its new generation while the thread is still left behind."""
+        with self._cond:
+            if self._aborted:
+                raise ReplicationAborted("the replication was aborted")
+
     def _next_to_send(self, last_sent: int) -> tuple[Slot | None, bool]:
         with self._cond:
             while True:
+                if self._aborted:
+                    raise ReplicationAborted("the replication was aborted")
                 slot = self.snapshots.committed()
                 newer = slot is not None and slot.iteration > last_sent
                 if newer or self._stop:
@@ -230,6 +246,7 @@ class RingReplicator:
             if meta_len:
                 self.transport.irecv(meta, src).wait()
             pair = self.replicas[src]
+            self._unless_aborted()
             if payload_len != pair.nbytes:
                 raise RuntimeError(
                     f"rank {src} sent a {payload_len}-byte shard; its replica holds {pair.nbytes}"

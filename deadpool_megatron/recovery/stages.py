@@ -115,11 +115,12 @@ class Held:
 
     snapshots: list[SlotPair] = field(default_factory=list)
     replicas: dict[int, list[SlotPair]] = field(default_factory=dict)
-    # Pairs a thread left behind may still write into (ids): never handed to a new pipeline.
+    # Pairs (ids) of a pipeline whose snapshot thread had not ended when it was kept: never
+    # handed over. Ids, not the pipelines: those would keep their process groups reachable.
     in_use: set[int] = field(default_factory=set)
 
     def keep(self, pipeline: ProtectionPipeline) -> None:
-        if not pipeline.stopped:
+        if not pipeline.snapshotter.stopped:
             self.in_use.update(id(p) for p in pipeline.slot_pairs())
         if pipeline.snapshotter.slots.committed() is None:
             return
@@ -128,10 +129,12 @@ class Held:
             self.replicas.setdefault(owner, []).insert(0, pair)
 
     def offer(self, iteration: int) -> Reusable:
-        """The idle pairs holding `iteration` that no thread uses any more, for the
-        generation that rolls back to it; the copies newer than it are dropped from them.
-        Their other slot (an older copy, if any) is the first a new pipeline overwrites, as
-        in training; the copy of `iteration` stays served until a new one is committed."""
+        """The idle pairs holding `iteration`, for the generation that rolls back to it; the
+        copies newer than it are dropped from them. Their other slot (an older copy, if any)
+        is the first a new pipeline overwrites, as in training; the copy of `iteration` stays
+        served until a new one is committed. A replication thread left behind (a wait gloo
+        does not wake) touches no pair after its abort but the one it holds a slot of, which
+        is busy, so its other pairs are handed over too."""
 
         def fit(pairs: list[SlotPair]) -> list[SlotPair]:
             found = [p for p in dict.fromkeys(pairs) if id(p) not in self.in_use and p.idle

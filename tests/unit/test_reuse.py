@@ -59,6 +59,7 @@ class Predecessor(Transport):
     def __init__(self, stop: bool):
         self.stop = stop
         self.released = threading.Event()
+        self.posted = threading.Event()  # the payload's receive is waiting
 
     def isend(self, tensor, dst):
         return Done()
@@ -69,6 +70,7 @@ class Predecessor(Transport):
                 HEADER.pack(FLAG_DATA, 5, 0, NBYTES, 0)  # fmt: skip
             tensor.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
             return Done()
+        self.posted.set()
         return Pending(self.released)
 
 
@@ -144,7 +146,7 @@ def test_a_pair_that_does_not_fit_its_owner_is_refused():
                        reuse={0: SlotPair(NBYTES + 1)})  # fmt: skip
 
 
-def test_the_offer_holds_the_rolled_back_iteration_from_stopped_pipelines_only():
+def test_the_offer_holds_the_rolled_back_iteration_and_no_pair_a_thread_still_writes():
     quiet = _stopped(_pipeline(Predecessor(stop=True)))
     _commit(quiet.snapshotter.slots, 1, 7)
     _commit(quiet.snapshotter.slots, 2, 8)  # a rank one iteration ahead of the plan
@@ -153,19 +155,27 @@ def test_the_offer_holds_the_rolled_back_iteration_from_stopped_pipelines_only()
     _commit(older.snapshotter.slots, 1, 6)
     _commit(older.replicator.replicas[0], 1, 6)
     left = Predecessor(stop=False)
-    behind = _pipeline(left)  # its thread waits in a payload receive
+    behind = _pipeline(left)  # its thread waits in a payload receive, into its replica pair
     try:
         _commit(behind.snapshotter.slots, 1, 7)
+        assert left.posted.wait(30)
         behind.abort(timeout=0.2)
         assert not behind.stopped
         held = Held()
         for p in (older, quiet, behind):
             held.keep(p)
         offer = held.offer(7)
-        assert offer.snapshots == (quiet.snapshotter.slots,)
+        # The left-behind thread's snapshot pair is idle: handed over; its replica pair, which
+        # the stuck receive writes into, is not.
+        assert offer.snapshots == (behind.snapshotter.slots, quiet.snapshotter.slots)
         assert offer.replicas == ((0, quiet.replicator.replicas[0]),)
         assert quiet.snapshotter.slots.iterations() == [7]  # iteration 8 dropped
         assert held.holdings().snapshots == frozenset({6, 7})
+        # The wait ends late (an error here): the thread frees its slot and takes no other.
+        left.released.set()
+        _wait_stopped(behind.replicator)
+        assert behind.replicator.replicas[0].iterations() == []
+        assert behind.snapshotter.slots.idle and behind.snapshotter.slots.iterations() == [7]
     finally:
         left.released.set()
 
