@@ -157,8 +157,7 @@ class RingReplicator:
     def _next_to_send(self, last_sent: int) -> tuple[Slot | None, bool]:
         with self._cond:
             while True:
-                if self._aborted:
-                    raise ReplicationAborted("the replication was aborted")
+                self._unless_aborted()  # the condition's lock is reentrant
                 slot = self.snapshots.committed()
                 newer = slot is not None and slot.iteration > last_sent
                 if newer or self._stop:

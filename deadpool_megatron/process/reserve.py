@@ -67,10 +67,11 @@ class SpareReserve:
                         rank)  # fmt: skip
             return
         # Leave the node's other processes their share: a reserve is an optimisation only.
-        if nbytes > self._available() // 2:
+        available = self._available()
+        if nbytes > available // 2:
             log.warning("no reserve: rank %d's protection buffers take %.1f MiB, more than "
                         "half of the %.1f MiB available", rank, nbytes / MiB,
-                        self._available() / MiB)  # fmt: skip
+                        available / MiB)  # fmt: skip
             return
         t = time.perf_counter()
         self.arena = HostArena(nbytes, largest.pin)
