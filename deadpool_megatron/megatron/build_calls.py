@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -96,8 +97,9 @@ def recording() -> Iterator[list[Call]]:
 
 
 def _recorder(fn, name: str, calls: list[Call], roles: dict):
-    signature = inspect.signature(fn)
+    signature = inspect.signature(fn)  # a recorder's is its function's (`wraps`): they nest
 
+    @functools.wraps(fn)
     def record(*args, **kwargs):
         try:
             arguments = dict(signature.bind(*args, **kwargs).arguments)

@@ -175,8 +175,6 @@ def build_model(
         )
         for i, chunk in enumerate(chunks)
     ]
-    for chunk in wrapped:
-        chunk.broadcast_params()
     log.info("built %d model chunk(s) with the %s layer spec", len(wrapped), impl)
     return wrapped
 
@@ -219,10 +217,20 @@ def build_optimizer(cfg: JobConfig, model: list[DistributedDataParallel]):
 
 
 def build_train_state(cfg: JobConfig, on_gpu: bool, initialize: bool = True) -> TrainState:
+    """With `initialize`, DDP's parameter broadcast over the data-parallel group follows the
+    model's construction, as in Megatron-LM's get_model. A recovery's build skips it (the
+    restore overwrites every parameter; one broadcast per parameter was a quarter of a spare's
+    build at 12.7M parameters), and it is left out of the record, so that a survivor replaying
+    its record for a spare skips it too."""
     tcfg = transformer_config(cfg, on_gpu, initialize)
     with recording() as calls:
         model = build_model(cfg, tcfg, on_gpu)
+    if initialize:
+        for chunk in model:
+            chunk.broadcast_params()
+    with recording() as optimizer_calls:
         optimizer, scheduler = build_optimizer(cfg, model)
+    calls.extend(optimizer_calls)
     return TrainState(model, optimizer, scheduler, tcfg, hook_tables(model), calls)
 
 

@@ -14,7 +14,7 @@ from megatron.core import parallel_state
 
 from deadpool_megatron.megatron import parallel
 from deadpool_megatron.megatron.arguments import parse_job_args
-from deadpool_megatron.megatron.build_calls import replay, unreplayable
+from deadpool_megatron.megatron.build_calls import recording, replay, unreplayable
 from deadpool_megatron.megatron.groups import group_roles, live_groups, stale_groups
 from deadpool_megatron.megatron.model import build_train_state, rehook, unhook
 from deadpool_megatron.megatron.rebind import CannotRebind, rebind
@@ -25,7 +25,10 @@ def main(unknown: bool) -> dict:
                           "--pipeline-model-parallel-size", "1"], 1)  # fmt: skip
     store = dist.HashStore()
     parallel.init_distributed(cfg, 0, 1, store, prefix="gen0")
-    state = build_train_state(cfg, on_gpu=False)
+    with recording() as performed:  # everything the build did, recorded or not
+        state = build_train_state(cfg, on_gpu=False)
+    with recording() as performed_in_recovery:
+        build_train_state(cfg, on_gpu=False, initialize=False)
     if unknown:
         state.model[0].stray_group = dist.new_group([0], backend="gloo")
     layer = state.model[0].module.decoder.layers[0].mlp.linear_fc1
@@ -46,6 +49,8 @@ def main(unknown: bool) -> dict:
     out["layer_group_unchanged"] = layer.tp_group is before
     out["hooks"] = sum(map(len, state.hook_tables))
     out["build_calls"] = [(c.name, c.role) for c in state.build_calls]
+    out["performed"] = [(c.name, c.role) for c in performed]
+    out["performed_in_recovery"] = [(c.name, c.role) for c in performed_in_recovery]
     out["unreplayable"] = unreplayable(state.build_calls)
     if "swapped" in out:  # the new generation's groups meet the build's collectives again
         out["replayed"] = replay(state.build_calls)
