@@ -271,6 +271,16 @@ class DeadpoolConfig:
         "README). Without it every process builds them again; patched Megatron-LM's "
         "pretrain() always does.",
     )
+    deadpool_spare_prebuild: int = knob(
+        0,
+        "Each idle spare builds the model, DDP and optimizer of N ranks (0: none) while it "
+        "waits, on stand-in process groups, and the agent seats a spare on a rank it built "
+        "for when one is free; claimed, it swaps the groups for the new generation's instead "
+        "of building (survivors then repeat no build collectives for it, with "
+        "--deadpool-keep-model). Each build holds one rank's model and optimizer in the "
+        "spare's memory; the spares take the ranks in turn (spare k: ranks k*N...). Not with "
+        "patched Megatron-LM, whose pretrain() builds the model.",
+    )
     deadpool_verify_groups: bool = knob(
         False,
         "After each recovery, walk every object reachable from training and megatron-core's "
@@ -496,6 +506,11 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
         parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
                      spares=int(spares) if spares is not None else None)  # fmt: skip
+    _require(
+        dpc.deadpool_spare_prebuild >= 0,
+        f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "
+        "number of ranks each spare builds a model for while idle",
+    )
     if not dpc.deadpool:
         return
     _require(

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Time lost per failure: hot-swap versus checkpoint-restart, same job, same failure, one run.
 
-For each model size, six or eight jobs run back to back on this machine, each strategy
+For each model size, eight or ten jobs run back to back on this machine, each strategy
 without and with the same failure (the same rank killed in the same iteration): hot-swap
-(--deadpool, one spare); checkpoint-restart by our launcher (`deadpool-launch
+(--deadpool, one spare); hot-swap in which nobody builds a model ("prebuilt": survivors keep
+theirs, --deadpool-keep-model, and the spare built every rank's while idle,
+--deadpool-spare-prebuild); checkpoint-restart by our launcher (`deadpool-launch
 --restart-policy full`); and the restart path users know, `torchrun --max-restarts 1` with
 --load and --save (the restarts write persistent checkpoints every --save-interval
 iterations); and, when --ft-launcher names nvidia-resiliency-ext's `ft_launcher` (or one is
@@ -22,7 +24,8 @@ is one JSON object:
  "nvrx_lost_s", "ratio_nvrx" (null without ft_launcher), "hotswap_recovery_s",
  "hotswap_growth_over_sizes", "hotswap_growth_beyond_iteration" (the same for the recovery
  minus one normal iteration: the resumed iteration it ends with costs what any iteration of
- that model costs), ...}.
+ that model costs), "prebuilt_lost_s", "prebuilt_recovery_s", "prebuilt_growth_over_sizes",
+ "prebuilt_growth_beyond_iteration", ...}.
 
 nvidia-resiliency-ext's launcher runs from an environment of its own (it only launches: the
 workers run this interpreter, through --no-python), e.g.
@@ -50,8 +53,9 @@ sys.path.insert(0, str(ROOT))
 
 from deadpool_megatron.events import read_events  # noqa: E402
 
-MODES = ("hotswap_free", "hotswap_failure", "ckpt_free", "ckpt_failure", "torchrun_free",
-         "torchrun_failure")  # fmt: skip
+MODES = ("hotswap_free", "hotswap_failure", "prebuilt_free", "prebuilt_failure", "ckpt_free",
+         "ckpt_failure", "torchrun_free", "torchrun_failure")  # fmt: skip
+HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"))
 NVRX_MODES = ("nvrx_free", "nvrx_failure")  # nvidia-resiliency-ext's ft_launcher, when given
 RESTARTS = (("ckpt_restart", "ckpt"), ("torchrun", "torchrun"), ("nvrx", "nvrx"))
 HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
@@ -118,8 +122,10 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         job += ["--deadpool-inject", f"kill@{a.victim}:{a.fail_at}"]
     script = str(ROOT / "pretrain_gpt.py")
     launch = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc)]
-    if strategy == "hotswap":
+    if strategy in ("hotswap", "prebuilt"):
         cmd = [*launch, "--spares", "1", script, *job, "--deadpool"]
+        if strategy == "prebuilt":  # nobody builds: survivors keep theirs, the spare built all
+            cmd += ["--deadpool-keep-model", "--deadpool-spare-prebuild", str(a.nproc)]
     else:
         job += ["--save", str(workdir / "ckpt"), "--save-interval", str(a.save_interval)]
         cmd = [*launch, "--restart-policy", "full", script, *job]
@@ -197,7 +203,8 @@ def plot(results: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [f"h={r['hidden_size']}\n{r['parameters'] / 1e6:.2f}M params" for r in results]
     bars = [("torchrun", "torchrun --max-restarts"), ("ckpt_restart",
-            "checkpoint-restart (deadpool-launch)"), ("hotswap", "DeadPool hot-swap")]  # fmt: skip
+            "checkpoint-restart (deadpool-launch)"), ("hotswap", "DeadPool hot-swap"),
+            ("prebuilt", "hot-swap, models kept and prebuilt")]  # fmt: skip
     if "nvrx" in results[0]:
         bars.insert(1, ("nvrx", "nvidia-resiliency-ext ft_launcher"))
     width = 0.8 / len(bars)
@@ -207,7 +214,7 @@ def plot(results: list[dict], path: Path) -> None:
         lost = [r[key]["lost_s"] for r in results]
         ax.bar([i + dx for i in x], lost, width=width, label=label)
         for i in x:
-            ax.annotate(f"{lost[i]:.1f} s" if key != "hotswap" else f"{lost[i]:.2f} s",
+            ax.annotate(f"{lost[i]:.2f} s" if key in ("hotswap", "prebuilt") else f"{lost[i]:.1f} s",
                         (i + dx, lost[i]), ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("time lost per failure (s)")
@@ -238,22 +245,27 @@ def main(argv=None) -> int:
         r = {"hidden_size": hidden, "parameters": params_of(hidden, a.num_layers),
              "iteration_s": iter_s,
              "bitwise_equal": {m: run_["digest"] == digest for m, run_ in runs.items()}}  # fmt: skip
-        r["hotswap"] = breakdown_hotswap(runs["hotswap_failure"]["events"], iter_s)
+        for key, mode in HOTSWAPS:
+            r[key] = breakdown_hotswap(runs[f"{mode}_failure"]["events"], iter_s)
         restarts = [(key, mode) for key, mode in RESTARTS if f"{mode}_failure" in runs]
         for key, mode in restarts:
             r[key] = breakdown_restart(runs[f"{mode}_failure"]["events"], iter_s, a.fail_at)
-        for key, mode in [("hotswap", "hotswap"), *restarts]:
+        for key, mode in [*HOTSWAPS, *restarts]:
             failed, free = runs[f"{mode}_failure"], runs[f"{mode}_free"]
             r[key]["lost_s"] = failed["unexplained_s"] - free["unexplained_s"]
             r[key]["span_difference_s"] = failed["span_s"] - free["span_s"]  # noisier
         results.append(r)
         print(
             f"hidden {hidden} ({r['parameters'] / 1e6:.2f}M params, {iter_s * 1000:.0f} ms/iter): "
-            f"lost per failure: hot-swap {r['hotswap']['lost_s']:.2f} s (recovery "
-            f"{r['hotswap']['recovery_total_s']:.2f} s, "
-            f"{r['hotswap']['beyond_iteration_s']:.2f} s beyond one iteration: "
-            + ", ".join(f"{k} {r['hotswap'][k]:.3f}" for k in HOTSWAP_PHASES)
-            + f"), checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
+            f"lost per failure: "
+            + "".join(
+                f"{label} {r[key]['lost_s']:.2f} s (recovery {r[key]['recovery_total_s']:.2f} s, "
+                f"{r[key]['beyond_iteration_s']:.2f} s beyond one iteration: "
+                + ", ".join(f"{k} {r[key][k]:.3f}" for k in HOTSWAP_PHASES)
+                + "), "
+                for key, label in (("hotswap", "hot-swap"), ("prebuilt", "hot-swap prebuilt"))
+            )
+            + f"checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
             f"{r['ckpt_restart']['detect']:.3f}, restart {r['ckpt_restart']['restart_processes']:.2f}"
             f", load {r['ckpt_restart']['load']:.2f}, replay {r['ckpt_restart']['replay']:.2f}), "
             + "".join(
@@ -285,6 +297,14 @@ def main(argv=None) -> int:
         - 1.0,
         "hotswap_growth_beyond_iteration": last["hotswap"]["beyond_iteration_s"]
         / first["hotswap"]["beyond_iteration_s"]
+        - 1.0,
+        "prebuilt_lost_s": first["prebuilt"]["lost_s"],
+        "prebuilt_recovery_s": first["prebuilt"]["recovery_total_s"],
+        "prebuilt_growth_over_sizes": last["prebuilt"]["recovery_total_s"]
+        / first["prebuilt"]["recovery_total_s"]
+        - 1.0,
+        "prebuilt_growth_beyond_iteration": last["prebuilt"]["beyond_iteration_s"]
+        / first["prebuilt"]["beyond_iteration_s"]
         - 1.0,
         "parameters_ratio": last["parameters"] / first["parameters"],
         "save_interval": a.save_interval,

@@ -25,6 +25,7 @@ from ..control.messages import (
     RankLost,
     RecoveryOrder,
     RecoveryPlan,
+    SparePrebuilt,
     spare_id,
 )
 from ..control.monitor import Monitor
@@ -121,7 +122,8 @@ class HotSwap:
             ),
         )
         try:
-            plan = coordinator.decide(rec, held, self._spares_for(rec.generation, rec.permanent))
+            free = self._spares_for(rec.generation, rec.permanent)
+            plan = coordinator.decide(rec, held, free, self._prebuilt(free))
         except Unrecoverable as err:
             lost = sorted(rec.permanent) or ["?"]
             if self.on_unrecoverable == "checkpoint-restart":
@@ -191,7 +193,13 @@ class HotSwap:
             r: self.node if r in self.run.workers else self.run.nodes.host_of(r) for r in failed
         }
         busy = self.run.nodes.busy() | ({self.node} if self.run.workers else set())
-        return order_spares(where, free, self.run.nodes.lost_nodes(), busy)
+        return order_spares(where, free, self.run.nodes.lost_nodes(), busy, self._prebuilt(free))
+
+    def _prebuilt(self, spares) -> dict[str, tuple[int, ...]]:
+        """The ranks each spare can take over with the model it built while idle."""
+        found = {s: self.ctx.get(keys.spare_prebuilt(self.ctx.job, s), SparePrebuilt)
+                 for s in spares}  # fmt: skip
+        return {s: p.ranks for s, p in found.items() if p is not None}
 
     def _candidates(self, members: tuple[str, ...], local: dict[str, Child]) -> list[str]:
         """The membership's spares, then spares started since (replenishing a pool, here or

@@ -28,6 +28,7 @@ from .messages import (
     HostFootprint,
     Injection,
     Registration,
+    SparePrebuilt,
     SpareRegistration,
     spare_id,
 )
@@ -98,6 +99,10 @@ class ControlClient:
             keys.spare(self.ctx.job, spare_id(index)),
             SpareRegistration(socket.gethostname(), os.getpid()),
         )
+
+    def publish_prebuilt(self, index: int, ranks: tuple[int, ...]) -> None:
+        """The ranks spare `index` can take over with what it built while idle."""
+        self.ctx.put(keys.spare_prebuilt(self.ctx.job, spare_id(index)), SparePrebuilt(ranks))
 
     def publish_footprint(self, rank: int, footprint: HostFootprint) -> None:
         """The host buffers `rank`'s protection holds, for the spares to reserve ahead."""

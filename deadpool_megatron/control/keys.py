@@ -114,6 +114,11 @@ def footprint(job: str, rank: int) -> str:
     return f"{_job(job)}/footprint/{rank}"
 
 
+def spare_prebuilt(job: str, spare_id: str) -> str:
+    """The ranks an idle spare built a model and optimizer for (written by the spare)."""
+    return f"{_job(job)}/spare/{spare_id}/prebuilt"
+
+
 def assignment(job: str, spare_id: str) -> str:
     """The rank and generation a claimed spare takes over (written after the claim)."""
     return f"{_job(job)}/spare/{spare_id}/assignment"

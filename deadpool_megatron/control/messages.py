@@ -251,6 +251,9 @@ class RecoveryPlan:
     replaced: Mapping[int, str]  # failed rank -> spare process id taking it over
     local_restores: tuple[int, ...]  # ranks that roll back to their own snapshot
     transfers: tuple[Transfer, ...]
+    # Replaced ranks whose spare built their model and optimizer while idle (SparePrebuilt):
+    # it rebinds them instead of building, and builds nothing its peers must meet.
+    prebuilt: tuple[int, ...] = ()
 
     @property
     def generation(self) -> int:
@@ -276,6 +279,7 @@ class PlanDecision(Record):
             "replaced": {str(r): s for r, s in p.replaced.items()},
             "local_restores": list(p.local_restores),
             "transfers": [[t.kind, t.src, t.dst, t.owner, t.iteration] for t in p.transfers],
+            "prebuilt": list(p.prebuilt),
             "failed_iteration": self.failed_iteration,
         }
 
@@ -289,6 +293,7 @@ class PlanDecision(Record):
             replaced={int(r): s for r, s in doc["replaced"].items()},
             local_restores=tuple(doc["local_restores"]),
             transfers=tuple(Transfer(*t) for t in doc["transfers"]),
+            prebuilt=tuple(int(r) for r in doc.get("prebuilt", ())),
         )
         return cls(plan, int(doc["failed_iteration"]))
 
@@ -305,6 +310,19 @@ class HostFootprint(Record):
     @classmethod
     def from_doc(cls, doc: dict) -> HostFootprint:
         return cls(tuple(int(n) for n in doc["buffers"]), bool(doc["pin"]))
+
+
+@dataclass(frozen=True)
+class SparePrebuilt(Record):
+    """The ranks an idle spare can take over without building (it built their model and
+    optimizer while idle, `--deadpool-spare-prebuild`), written once its builds are done; the
+    agent seats it on one of them when it can."""
+
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> SparePrebuilt:
+        return cls(tuple(int(r) for r in doc["ranks"]))
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,23 @@ def init_distributed(
     """Create the default process group and megatron-core's groups. Returns True on a GPU."""
     on_gpu = not cpu_backend.should_activate(cfg.system.cpu)
     share_gloo_device()
+    backend = "nccl" if on_gpu else "gloo"
+    _init(cfg, rank, world_size, dist.PrefixStore(prefix, store), backend, on_gpu)
+    return on_gpu
+
+
+def init_stand_in(cfg: JobConfig, rank: int, world_size: int) -> bool:
+    """Stand-in groups for `rank` of `world_size`, in a process with no peers: torch's "fake"
+    backend, whose collectives return at once and move nothing. megatron-core then builds what
+    it builds for that rank (megatron/prebuild.py). Returns True on a GPU."""
+    on_gpu = not cpu_backend.should_activate(cfg.system.cpu)
+    _init(cfg, rank, world_size, dist.HashStore(), "fake", on_gpu)
+    return on_gpu
+
+
+def _init(
+    cfg: JobConfig, rank: int, world_size: int, store: dist.Store, backend: str, on_gpu: bool
+) -> None:
     if on_gpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -52,11 +69,7 @@ def init_distributed(
         cpu_backend.activate()
     timeout = datetime.timedelta(minutes=cfg.system.distributed_timeout_minutes)
     dist.init_process_group(
-        backend="nccl" if on_gpu else "gloo",
-        store=dist.PrefixStore(prefix, store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
+        backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout
     )
     vp_layers = cfg.parallel.num_layers_per_virtual_pipeline_stage
     vp = None
@@ -74,7 +87,6 @@ def init_distributed(
     if not on_gpu:
         cpu_backend.patch_loaded_modules()
     set_random_seed(cfg.training.seed)
-    return on_gpu
 
 
 def share_gloo_device() -> None:
@@ -118,8 +130,9 @@ def gloo_twins() -> bool:
     """Whether megatron-core creates gloo twins of its data-parallel groups (and the optimizer
     is handed them). Not in a gloo job: its groups are gloo already, each twin is one more
     full mesh per DP group at every build and every recovery, and nothing here uses them (the
-    checkpoints are dp_reshardable, which gathers nothing over them)."""
-    return dist.get_backend() != "gloo"
+    checkpoints are dp_reshardable, which gathers nothing over them). Nor on stand-in groups
+    (`init_stand_in`): gloo twins would wait for peers there are none of."""
+    return dist.get_backend() not in ("gloo", "fake")
 
 
 def supported_kwargs(fn, **kwargs) -> dict:

@@ -56,3 +56,15 @@ def rebind(state: TrainState, old: dict[int, tuple[str, dist.ProcessGroup]]) -> 
         setter(group)
     log.debug("rebound %d process group reference(s) to the new generation", len(swaps))
     return len(swaps)
+
+
+def unrebindable(state: TrainState, roles: dict[int, tuple[str, dist.ProcessGroup]]) -> str | None:
+    """Why `state`, holding the groups of `roles` now, could not be rebound later (a group
+    with no role, or one held where it cannot be replaced), or None. Asked before a state is
+    set aside to be rebound (an idle spare's)."""
+    problems = [
+        f"{path} ({'immutable' if setter is None else 'no role'})"
+        for path, group, setter in walk({"state": state})
+        if id(group) not in roles or setter is None
+    ]
+    return "; ".join(problems[:5]) if problems else None

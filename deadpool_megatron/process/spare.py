@@ -2,8 +2,9 @@
 job's end.
 
 While idle it pays in advance what a hot-swap would otherwise pay: the imports of torch and
-megatron-core and the CPU backend's routing (several seconds per process here), and the host
-memory of its protection buffers (`reserve.py`). When the
+megatron-core and the CPU backend's routing (several seconds per process here), the host
+memory of its protection buffers (`reserve.py`), and, with --deadpool-spare-prebuild, the
+model and optimizer of the ranks it is likely to take over (`prebuilds.py`). When the
 agent claims it for a failed rank, it finds its assignment (rank, generation) in the store and
 becomes that rank: it joins the generation's communicators and receives the rank's state
 (process/worker.py, recovery/stages.py).
@@ -22,6 +23,7 @@ from ..control.messages import SpareAssignment, spare_id
 from ..errors import DeadpoolError
 from ..events import SPARE_REGISTERED, EventLog
 from ..runtime import ROLE_WORKER, ProcessEnv, freeze_imports
+from .prebuilds import SparePrebuilds
 from .reserve import SpareReserve
 
 log = logging.getLogger("deadpool.spare")
@@ -65,11 +67,14 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
     )
 
     reserve = SpareReserve(client.footprint, env.world_size)
+    prebuilds = spare_prebuilds(cfg, env, client) if become is None else None
 
     def finished() -> None:
         if client.job_finished():
             raise JobFinished("the job finished")
         reserve.poll()
+        if prebuilds is not None:
+            prebuilds.poll()
 
     try:
         order = ctx.wait_for(keys.assignment(ctx.job, me), SpareAssignment, interrupt=finished,
@@ -86,7 +91,29 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
     from .worker import Takeover, run_worker
 
     worker_env = dataclasses.replace(env, rank=order.rank, role=ROLE_WORKER)
-    takeover = Takeover(ctx, client, order.generation, reserve.arena)
+    prebuilt = prebuilds.take(order.rank) if prebuilds is not None else None
+    takeover = Takeover(ctx, client, order.generation, reserve.arena, prebuilt)
     if become is not None:
         return become(worker_env, takeover)
     return run_worker(cfg, worker_env, takeover)
+
+
+def spare_prebuilds(cfg, env: ProcessEnv, client: ControlClient) -> SparePrebuilds | None:
+    """The builds this spare makes while idle (--deadpool-spare-prebuild), or None."""
+    count = cfg.deadpool.deadpool_spare_prebuild
+    if not count:
+        return None
+    from ..megatron.prebuild import prebuild
+    from ..recovery.placement import fitting_ranks, prebuild_targets
+    from ..topology import Topology
+
+    p = cfg.parallel
+    topo = Topology(env.world_size, p.tensor_model_parallel_size,
+                    p.pipeline_model_parallel_size, env.local_world_size)  # fmt: skip
+    distopt = p.use_distributed_optimizer
+    return SparePrebuilds(
+        prebuild_targets(topo, env.spare_index, count, distopt),
+        build=lambda rank: prebuild(cfg, rank, env.world_size),
+        fits=lambda rank: fitting_ranks(topo, rank, distopt),
+        publish=lambda ranks: client.publish_prebuilt(env.spare_index, ranks),
+    )

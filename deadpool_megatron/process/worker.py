@@ -23,6 +23,7 @@ from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
 from ..megatron.model import TrainState, build_train_state
+from ..megatron.prebuild import Prebuilt
 from ..megatron.training import Trainer
 from ..recovery.abort import CommunicatorAbort
 from ..recovery.stages import ProcessRecovery, RecoveryFailed
@@ -38,12 +39,14 @@ log = logging.getLogger("deadpool.worker")
 @dataclass(frozen=True)
 class Takeover:
     """A claimed spare becoming a worker: its job context and client, the generation it
-    joins, and the host memory it reserved while idle (`SpareReserve`), if any."""
+    joins, the host memory it reserved while idle (`SpareReserve`), if any, and the state it
+    built while idle for the rank it takes over (`SparePrebuilds`), if any."""
 
     ctx: JobContext
     client: ControlClient
     generation: int
     reserve: HostArena | None = None
+    prebuilt: Prebuilt | None = None
 
 
 def open_store(env: ProcessEnv, cfg: JobConfig) -> dist.Store:
@@ -90,6 +93,7 @@ def watch(
         cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
         protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
         keep_model=keep_model, reserve=takeover.reserve if takeover is not None else None,
+        prebuilt=takeover.prebuilt if takeover is not None else None,
     )  # fmt: skip
     if takeover is not None:
         recovery.joining(takeover.generation)  # not a new order to its watcher

@@ -12,10 +12,11 @@ recovered in the next generation.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from ..control import keys
@@ -162,9 +163,12 @@ class Coordinator:
         rec: Recovery,
         held: dict[int, tuple[RankHoldings, int]],
         free_spares: list[str],
+        prebuilt: Mapping[str, Collection[int]] | None = None,
     ) -> RecoveryPlan:
         """Plan, claim the spares, commit the membership and publish the plan. Raises
-        Unrecoverable (after publishing why, so every process stops) when nothing can."""
+        Unrecoverable (after publishing why, so every process stops) when nothing can.
+        `prebuilt`: spare -> the ranks it can take over without building (the plan names the
+        replaced ranks whose spare does)."""
         current = self.membership.current()
         view = Membership(current.generation, current.ranks, tuple(free_spares))
         try:
@@ -172,6 +176,10 @@ class Coordinator:
                 view, self.topology, rec.permanent, {r: h for r, (h, _) in held.items()},
                 self.replicas,
             )  # fmt: skip
+            ready = prebuilt or {}
+            plan = dataclasses.replace(plan, prebuilt=tuple(
+                r for r, s in sorted(plan.replaced.items()) if r in ready.get(s, ())
+            ))  # fmt: skip
             joined = tuple(s for s in free_spares if s not in current.spares)
             for rank, spare_id in sorted(plan.replaced.items()):
                 if not self.membership.claim_spare(
@@ -199,7 +207,8 @@ class Coordinator:
         log.info(
             "generation %d: roll back to iteration %d; %s; transfers: %s",
             rec.generation, plan.iteration,
-            ", ".join(f"{s} replaces rank {r}" for r, s in plan.replaced.items()) or "no spare",
+            ", ".join(f"{s} replaces rank {r}" + (" (prebuilt)" if r in plan.prebuilt else "")
+                      for r, s in plan.replaced.items()) or "no spare",
             ", ".join(f"{t.kind} {t.src}->{t.dst}" for t in plan.transfers) or "none",
         )  # fmt: skip
         self.pending = rec

@@ -4,12 +4,18 @@ A whole lost node is taken over by one node's spares together (a spare node's), 
 that shared a node share one again and the node-aware ring keeps its replicas on other nodes.
 A single process failing on a live node takes a spare on that node first (no new network
 paths, and spare nodes stay whole for the node failures that need them), then a spare on a
-node that already runs ranks, and only then one on an idle spare node.
+node that already runs ranks, and only then one on an idle spare node. Among the spares of
+one node, one that built the failed rank's model and optimizer while idle is seated first.
+
+Which ranks an idle spare builds for (`prebuild_targets`) is decided here too: their state
+fits every rank of the same coordinates (`fitting_ranks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
+
+from ..topology import Topology
 
 
 def _natural(spare: str) -> tuple:
@@ -22,13 +28,16 @@ def order_spares(
     spares: Mapping[str, int | None],
     lost_nodes: set[int],
     busy_nodes: set[int],
+    prebuilt: Mapping[str, Collection[int]] | None = None,
 ) -> list[str]:
     """The free spares in the order the plan should seat them on `sorted(failed)`.
 
     `failed`: failed rank -> the node it ran on (None: unknown); `spares`: free spare -> its
     node; `lost_nodes`: nodes that are gone (their spares are not free); `busy_nodes`: live
-    nodes that run ranks (their spares are used before an idle spare node's).
+    nodes that run ranks (their spares are used before an idle spare node's); `prebuilt`:
+    spare -> the ranks it can take over without building (`SparePrebuilt`).
     """
+    prebuilt = prebuilt or {}
     free: dict[int | None, list[str]] = {}
     for s in sorted(spares, key=_natural):
         node = spares[s]
@@ -44,7 +53,8 @@ def order_spares(
         whole = node in lost_nodes
         if not whole and free.get(node):
             while ranks and free[node]:
-                seat[ranks.pop(0)] = free[node].pop(0)
+                rank = ranks.pop(0)
+                seat[rank] = _take(free[node], rank, ranks, prebuilt)
         while ranks:
             candidates = [n for n in free if free[n]]
             if not candidates:
@@ -57,7 +67,47 @@ def order_spares(
 
             target = min(candidates, key=key)
             while ranks and free[target]:
-                seat[ranks.pop(0)] = free[target].pop(0)
+                rank = ranks.pop(0)
+                seat[rank] = _take(free[target], rank, ranks, prebuilt)
     ordered = [seat[r] for r in sorted(seat)]
     rest = [s for n in sorted(free, key=lambda n: -1 if n is None else n) for s in free[n]]
     return ordered + rest
+
+
+def _take(pool: list[str], rank: int, later: list[int], prebuilt: Mapping) -> str:
+    """The spare of `pool` to seat on `rank` (removed from it): one that built for `rank`,
+    else one that built for none of the `later` ranks, else the first."""
+    fits = [s for s in pool if rank in prebuilt.get(s, ())]
+    spare_any = [s for s in pool if not set(later) & set(prebuilt.get(s, ()))]
+    choice = (fits or spare_any or pool)[0]
+    pool.remove(choice)
+    return choice
+
+
+def _fit_key(topo: Topology, rank: int, distributed_optimizer: bool) -> tuple[int, ...]:
+    """What a rank's model and optimizer depend on: its tensor-parallel rank (the vocabulary
+    range of its embedding shard) and pipeline stage (its layers), and, with the distributed
+    optimizer, its data-parallel rank (the optimizer's shard)."""
+    c = topo.coords(rank)
+    return (c.tp, c.pp, c.dp) if distributed_optimizer else (c.tp, c.pp)
+
+
+def fitting_ranks(topo: Topology, rank: int, distributed_optimizer: bool) -> tuple[int, ...]:
+    """The ranks a model and optimizer built for `rank` fit (`rank` included)."""
+    key = _fit_key(topo, rank, distributed_optimizer)
+    return tuple(r for r in range(topo.world_size)
+                 if _fit_key(topo, r, distributed_optimizer) == key)  # fmt: skip
+
+
+def prebuild_targets(
+    topo: Topology, spare_index: int, count: int, distributed_optimizer: bool
+) -> list[int]:
+    """The ranks spare `spare_index` builds a model and optimizer for while idle: `count`
+    kinds of rank (by `fitting_ranks`), the spares taking consecutive kinds in turn so that
+    together they cover as many as they can; each kind by its lowest rank."""
+    kinds: dict[tuple[int, ...], int] = {}
+    for r in range(topo.world_size):
+        kinds.setdefault(_fit_key(topo, r, distributed_optimizer), r)
+    order = list(kinds.values())
+    count = min(count, len(order))
+    return [order[(spare_index * count + i) % len(order)] for i in range(count)]

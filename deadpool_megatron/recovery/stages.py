@@ -70,6 +70,7 @@ from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import group_roles, live_groups, stale_groups
 from ..megatron.model import TrainState, build_train_state, rehook, unhook
+from ..megatron.prebuild import Prebuilt
 from ..megatron.rebind import CannotRebind, rebind
 from ..megatron.shard import RankState
 from ..megatron.training import Trainer
@@ -215,9 +216,11 @@ class ProcessRecovery:
         cpu_clock: Callable[[], float] = time.process_time,
         keep_model: bool = False,
         reserve: HostArena | None = None,
+        prebuilt: Prebuilt | None = None,
     ):
         """`reserve`: a claimed spare's host memory reserved while it was idle, for the slot
-        pairs of its first pipeline."""
+        pairs of its first pipeline; `prebuilt`: the state it built while idle for its rank,
+        rebound instead of built when the plan counts on it."""
         self.cfg = cfg
         self.env = env
         self.ctx = ctx
@@ -253,6 +256,7 @@ class ProcessRecovery:
         self.keep_model = keep_model
         self._kept: Kept | None = None
         self._reserve = reserve
+        self._prebuilt = prebuilt
         self._roles: dict[int, tuple] = {}
 
     # -- entry points ------------------------------------------------------------------------
@@ -405,6 +409,7 @@ class ProcessRecovery:
     ) -> Rebuilt:
         t = time.perf_counter()
         old_groups = self.reset_communicators(plan)
+        prebuilt = self._adopt_prebuilt(plan)
         on_gpu = parallel.init_distributed(
             self.cfg, self.env.rank, self.env.world_size, self.store,
             prefix=self.ctx.store_prefix(plan.generation),
@@ -412,7 +417,7 @@ class ProcessRecovery:
         host = parallel.host_group()  # with the other groups: before any fault can strike
         phases = {"rebuild_communicators": time.perf_counter() - t}
         t = time.perf_counter()
-        state = self._rebound(bool(plan.replaced))
+        state = self._rebound(anyone_builds(plan, self.keep_model), strict=prebuilt)
         if state is None:
             # the restore overwrites weights and optimizer state entirely: neither is drawn
             state = build_train_state(self.cfg, on_gpu, initialize=False)
@@ -424,27 +429,49 @@ class ProcessRecovery:
         self.inject_recovery_fault()
         return Rebuilt(trainer, state, on_gpu, phases, old_groups, host)
 
-    def _rebound(self, spares_build: bool) -> TrainState | None:
+    def _adopt_prebuilt(self, plan: RecoveryPlan) -> bool:
+        """A claimed spare: keep the state it built while idle, as a survivor keeps its own,
+        if the plan counts on it (its peers then replay nothing for it). True if it does."""
+        prebuilt, self._prebuilt = self._prebuilt, None
+        counted = self.env.rank in plan.prebuilt
+        if prebuilt is None:
+            if counted:  # its peers would not meet its build's collectives
+                raise RecoveryFailed(f"the plan counts on rank {self.env.rank}'s model built "
+                                     "while idle, and this spare has none")  # fmt: skip
+            return False
+        if not counted:
+            log.info("building the model: the plan does not count on the one built while "
+                     "idle (for rank %d)", prebuilt.rank)  # fmt: skip
+            return False
+        self._kept = Kept(prebuilt.state, prebuilt.hooks)
+        self._roles = dict(prebuilt.roles)
+        return True
+
+    def _rebound(self, others_build: bool, strict: bool = False) -> TrainState | None:
         """The kept state, its groups swapped for the new generation's and its hooks back;
-        None if nothing is kept or a group cannot be swapped (then it is built again). When
-        spares build their model, the collectives of this rank's own build are performed
+        None if nothing is kept or a group cannot be swapped (then it is built again; with
+        `strict`, for a state its peers count on, the recovery fails instead). When other
+        ranks build their model, the collectives of this rank's own build are performed
         again, to meet theirs (megatron/build_calls.py)."""
         kept, roles, self._roles = self._kept, self._roles, {}  # roles hold the old groups
         if kept is None:
             return None
         try:
-            why_not = unreplayable(kept.state.build_calls) if spares_build else None
+            why_not = unreplayable(kept.state.build_calls) if others_build else None
             if why_not:
-                raise CannotRebind(f"a spare builds, and {why_not}")
+                raise CannotRebind(f"another rank builds, and {why_not}")
             swapped = rebind(kept.state, roles)
         except CannotRebind as why:
-            log.warning("building the model again: %s", why)
             self._kept = None
+            if strict:
+                raise RecoveryFailed(f"the model built while idle: {why}") from why
+            log.warning("building the model again: %s", why)
             return None
         rehook(kept.state, kept.hooks)
-        replayed = replay(kept.state.build_calls) if spares_build else 0
-        log.info("kept the model: %d process group references swapped, %d build collectives "
-                 "performed again for the spares", swapped, replayed)  # fmt: skip
+        replayed = replay(kept.state.build_calls) if others_build else 0
+        log.info("kept the model%s: %d process group references swapped, %d build "
+                 "collectives performed again for the ranks that build",
+                 " built while idle" if strict else "", swapped, replayed)  # fmt: skip
         return kept.state
 
     def reset_communicators(self, plan: RecoveryPlan) -> list:
@@ -654,6 +681,15 @@ class ProcessRecovery:
             )
             if protected:
                 self.held = Held()
+
+
+def anyone_builds(plan: RecoveryPlan, keep_model: bool) -> bool:
+    """Whether a rank of `plan` builds its model and optimizer anew (a rank that keeps its
+    own then performs its build's collectives again, to meet them): a spare that did not
+    build while idle, or every survivor when survivors do not keep theirs."""
+    spares_build = any(r not in plan.prebuilt for r in plan.replaced)
+    survivors_build = not keep_model and len(plan.replaced) < len(plan.membership.ranks)
+    return spares_build or survivors_build
 
 
 def free_generation(

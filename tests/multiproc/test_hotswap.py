@@ -231,6 +231,44 @@ def test_survivors_keeping_their_model_meet_two_spares_and_a_reset_bitwise(tmp_p
     assert "none from before" in result.output
 
 
+def test_spares_that_built_while_idle_are_seated_on_their_ranks_bitwise(tmp_path, baseline_3d):
+    # --deadpool-spare-prebuild 1: spare 0 builds rank 0's model and optimizer while idle,
+    # spare 1 rank 1's (TP rank 1: its embedding shard's vocabulary range differs from TP rank
+    # 0's). Rank 1 fails: the agent seats spare 1 (not spare 0, first in line), which swaps
+    # the stand-in groups for the new generation's; the survivors keep theirs, and nobody
+    # builds or replays anything. Rank 5 fails next: spare 0 built for rank 0, so it builds;
+    # every other process replays its own build's collectives to meet it.
+    faults = "kill@1:5:backward,kill@5:8:forward"
+    extra = ["--deadpool-keep-model", "--deadpool-spare-prebuild", "1", "--deadpool-verify-groups"]
+    result, events = _run(tmp_path, 8, SHAPE_3D, faults, spares=2, extra=extra)
+    _assert_same_run(result, baseline_3d)
+    done = _assert_recovered(events, recoveries=2)
+    assert [d["replaced"] for d in done] == [{"1": "spare-1"}, {"5": "spare-0"}]
+    assert "spare-1 replaces rank 1 (prebuilt)" in result.output
+    assert re.search(r"\[spare 1\] .*kept the model built while idle: \d+ process group "
+                     r"references swapped, 0 build collectives", result.output)  # fmt: skip
+    assert "spare-0 replaces rank 5;" in result.output  # not counted on: it builds
+    assert not re.search(r"\[spare 0\] .*kept the model built while idle", result.output)
+    replays = re.findall(r"kept the model.*, ([1-9]\d*) build collectives", result.output)
+    assert len(replays) == 7  # the second recovery's survivors, spare 1 among them
+    assert "none from before" in result.output
+
+
+def test_a_spare_that_built_while_idle_replays_its_build_for_survivors_that_build(
+    tmp_path, baseline_pp2
+):
+    # Survivors build anew (no --deadpool-keep-model); the spare built every rank's state
+    # while idle and performs its build's collectives again to meet theirs.
+    extra = ["--deadpool-spare-prebuild", "4"]
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@2:6:forward", spares=1, extra=extra)
+    _assert_same_run(result, baseline_pp2)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"2": "spare-0"}
+    assert "spare-0 replaces rank 2 (prebuilt)" in result.output
+    assert re.search(r"\[spare 0\] .*kept the model built while idle: \d+ process group "
+                     r"references swapped, [1-9]\d* build collectives", result.output)  # fmt: skip
+
+
 def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2):
     result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:4,kill@2:8", spares=2)
     _assert_same_run(result, baseline_pp2)
