@@ -18,7 +18,9 @@ seconds), and each strategy's failure-free costs (snapshots, periodic saves) are
 counted as failure losses; the event logs break it down (detect; stop + plan, rebuild
 communicators, rebuild model, transfer state, verify, first iteration, for hot-swap;
 restart processes, load, replay for the restarts; torchrun's and ft_launcher's agents log
-no detection, so their restart includes it). Writes JSON and a PNG; the last line printed
+no detection, so their restart includes it). `--strategies` picks which run, `--repeats N`
+runs every job N times and reports each figure's median (a recovery's phases swing by tenths
+of a second between runs of one job here). Writes JSON and a PNG; the last line printed
 is one JSON object:
 {"hotswap_lost_s", "ckpt_restart_lost_s", "ratio", "torchrun_lost_s", "ratio_torchrun",
  "nvrx_lost_s", "ratio_nvrx" (null without ft_launcher), "hotswap_recovery_s",
@@ -35,6 +37,8 @@ workers run this interpreter, through --no-python), e.g.
     python scripts/bench_recovery.py                      # demo shape TP2xPP2xDP2, 3 sizes
     python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 64 --iters 30 --fail-at 25 \\
         --save-interval 10                                 # a quick look
+    python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 128,512 --iters 30 \\
+        --fail-at 25 --strategies hotswap,prebuilt --repeats 3   # the two hot-swaps, medians
 """
 
 from __future__ import annotations
@@ -53,10 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from deadpool_megatron.events import read_events  # noqa: E402
 
-MODES = ("hotswap_free", "hotswap_failure", "prebuilt_free", "prebuilt_failure", "ckpt_free",
-         "ckpt_failure", "torchrun_free", "torchrun_failure")  # fmt: skip
 HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"))
-NVRX_MODES = ("nvrx_free", "nvrx_failure")  # nvidia-resiliency-ext's ft_launcher, when given
 RESTARTS = (("ckpt_restart", "ckpt"), ("torchrun", "torchrun"), ("nvrx", "nvrx"))
 HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
                   "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
@@ -93,11 +94,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="nvidia-resiliency-ext's ft_launcher, run as a third restart baseline (default: the "
         "one on PATH; none: skipped)",
     )
+    p.add_argument(
+        "--strategies",
+        default="hotswap,prebuilt,ckpt,torchrun,nvrx",
+        help="which to run, of hotswap, prebuilt, ckpt, torchrun, nvrx (default all; nvrx only "
+        "with an ft_launcher)",
+    )
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each job; every figure is the median over them (default 1)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery.json"))
     p.add_argument("--reuse", action="store_true",
                    help="re-analyse the jobs a previous run left in its work folder")  # fmt: skip
     a = p.parse_args(argv)
     a.sizes = [int(h) for h in a.hidden_sizes.split(",")]
+    a.strategies = [x for x in a.strategies.split(",") if x]
+    known = ("hotswap", "prebuilt", "ckpt", "torchrun", "nvrx")
+    unknown = [x for x in a.strategies if x not in known]
+    if unknown or not a.strategies:
+        p.error(f"--strategies {','.join(unknown) or '(none)'}: choose from {', '.join(known)}")
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats} must be 1 or more")
     if not 1 < a.fail_at <= a.iters:
         p.error(f"--fail-at {a.fail_at} must lie in [2, --iters {a.iters}]")
     if not 0 <= a.victim < a.nproc:
@@ -202,11 +218,14 @@ def plot(results: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [f"h={r['hidden_size']}\n{r['parameters'] / 1e6:.2f}M params" for r in results]
-    bars = [("torchrun", "torchrun --max-restarts"), ("ckpt_restart",
-            "checkpoint-restart (deadpool-launch)"), ("hotswap", "DeadPool hot-swap"),
-            ("prebuilt", "hot-swap, models kept and prebuilt")]  # fmt: skip
-    if "nvrx" in results[0]:
-        bars.insert(1, ("nvrx", "nvidia-resiliency-ext ft_launcher"))
+    bars = [
+        ("torchrun", "torchrun --max-restarts"),
+        ("nvrx", "nvidia-resiliency-ext ft_launcher"),
+        ("ckpt_restart", "checkpoint-restart (deadpool-launch)"),
+        ("hotswap", "DeadPool hot-swap"),
+        ("prebuilt", "hot-swap, models kept and prebuilt"),
+    ]
+    bars = [(key, label) for key, label in bars if key in results[0]]  # fmt: skip
     width = 0.8 / len(bars)
     x = range(len(results))
     for n, (key, label) in enumerate(bars):
@@ -229,89 +248,112 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _median_breakdown(parts: list[dict]) -> dict:
+    """Each figure's median over repeats (one repeat: itself); the recoveries kept too."""
+    out = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    out["recovery_runs_s"] = [p["recovery_total_s"] for p in parts if "recovery_total_s" in p]
+    return out
+
+
+def _growth(results: list[dict], key: str, field: str) -> float | None:
+    if key not in results[0]:
+        return None
+    return results[-1][key][field] / results[0][key][field] - 1.0
+
+
+def _line(r: dict, iter_s: float) -> str:
+    parts = []
+    for key, label in (("hotswap", "hot-swap"), ("prebuilt", "hot-swap prebuilt")):
+        if key in r:
+            h = r[key]
+            parts.append(
+                f"{label} {h['lost_s']:.2f} s (recovery {h['recovery_total_s']:.2f} s, "
+                f"{h['beyond_iteration_s']:.2f} s beyond one iteration: "
+                + ", ".join(f"{k} {h[k]:.3f}" for k in HOTSWAP_PHASES)
+                + ")"
+            )
+    for key, label in (("ckpt_restart", "checkpoint-restart"),
+                       ("nvrx", "nvidia-resiliency-ext ft_launcher"),
+                       ("torchrun", "torchrun --max-restarts")):  # fmt: skip
+        if key in r:
+            c = r[key]
+            parts.append(f"{label} {c['lost_s']:.2f} s (detect {c['detect']:.3f}, restart "
+                         f"{c['restart_processes']:.2f}, load {c['load']:.2f}, replay "
+                         f"{c['replay']:.2f})")  # fmt: skip
+    return (f"hidden {r['hidden_size']} ({r['parameters'] / 1e6:.2f}M params, "
+            f"{iter_s * 1000:.0f} ms/iter): lost per failure: " + "; ".join(parts)
+            + f"; bitwise equal to failure-free: {r['bitwise_equal']}")  # fmt: skip
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     out = Path(a.out)
     work = out.parent / "bench_recovery"
     results = []
-    modes = MODES + (NVRX_MODES if a.ft_launcher else ())
-    if not a.ft_launcher:
+    if not a.ft_launcher and "nvrx" in a.strategies:
         print("nvidia-resiliency-ext's ft_launcher not found: its baseline is skipped "
               "(--ft-launcher PATH)", flush=True)  # fmt: skip
+        a.strategies.remove("nvrx")
+    modes = [f"{m}_{kind}" for m in a.strategies for kind in ("free", "failure")]
+    hotswaps = [(k, m) for k, m in HOTSWAPS if m in a.strategies]
+    restarts = [(k, m) for k, m in RESTARTS if m in a.strategies]
     for hidden in a.sizes:
-        runs = {m: run(a, hidden, m, work / f"h{hidden}" / m) for m in modes}
-        iter_s = runs["hotswap_free"]["iteration_s"]
-        digest = runs["hotswap_free"]["digest"]
+        runs = {
+            m: [run(a, hidden, m, work / f"h{hidden}" / (m if i == 0 else f"{m}-r{i + 1}"))
+                for i in range(a.repeats)]
+            for m in modes
+        }  # fmt: skip
+        reference = runs[modes[0]][0]
+        iter_s = statistics.median(r_["iteration_s"] for m in modes for r_ in runs[m])
         r = {"hidden_size": hidden, "parameters": params_of(hidden, a.num_layers),
-             "iteration_s": iter_s,
-             "bitwise_equal": {m: run_["digest"] == digest for m, run_ in runs.items()}}  # fmt: skip
-        for key, mode in HOTSWAPS:
-            r[key] = breakdown_hotswap(runs[f"{mode}_failure"]["events"], iter_s)
-        restarts = [(key, mode) for key, mode in RESTARTS if f"{mode}_failure" in runs]
+             "iteration_s": iter_s, "repeats": a.repeats,
+             "bitwise_equal": {m: all(x["digest"] == reference["digest"] for x in runs[m])
+                               for m in modes}}  # fmt: skip
+        for key, mode in hotswaps:
+            r[key] = _median_breakdown(
+                [breakdown_hotswap(x["events"], iter_s) for x in runs[f"{mode}_failure"]]
+            )
         for key, mode in restarts:
-            r[key] = breakdown_restart(runs[f"{mode}_failure"]["events"], iter_s, a.fail_at)
-        for key, mode in [*HOTSWAPS, *restarts]:
+            r[key] = _median_breakdown(
+                [breakdown_restart(x["events"], iter_s, a.fail_at)
+                 for x in runs[f"{mode}_failure"]]
+            )  # fmt: skip
+        for key, mode in [*hotswaps, *restarts]:
             failed, free = runs[f"{mode}_failure"], runs[f"{mode}_free"]
-            r[key]["lost_s"] = failed["unexplained_s"] - free["unexplained_s"]
-            r[key]["span_difference_s"] = failed["span_s"] - free["span_s"]  # noisier
+            median = lambda xs, f: statistics.median(x[f] for x in xs)  # noqa: E731
+            r[key]["lost_s"] = median(failed, "unexplained_s") - median(free, "unexplained_s")
+            r[key]["span_difference_s"] = median(failed, "span_s") - median(free, "span_s")
         results.append(r)
-        print(
-            f"hidden {hidden} ({r['parameters'] / 1e6:.2f}M params, {iter_s * 1000:.0f} ms/iter): "
-            f"lost per failure: "
-            + "".join(
-                f"{label} {r[key]['lost_s']:.2f} s (recovery {r[key]['recovery_total_s']:.2f} s, "
-                f"{r[key]['beyond_iteration_s']:.2f} s beyond one iteration: "
-                + ", ".join(f"{k} {r[key][k]:.3f}" for k in HOTSWAP_PHASES)
-                + "), "
-                for key, label in (("hotswap", "hot-swap"), ("prebuilt", "hot-swap prebuilt"))
-            )
-            + f"checkpoint-restart {r['ckpt_restart']['lost_s']:.2f} s (detect "
-            f"{r['ckpt_restart']['detect']:.3f}, restart {r['ckpt_restart']['restart_processes']:.2f}"
-            f", load {r['ckpt_restart']['load']:.2f}, replay {r['ckpt_restart']['replay']:.2f}), "
-            + "".join(
-                f"{label} {r[key]['lost_s']:.2f} s (restart {r[key]['restart_processes']:.2f}, "
-                f"load {r[key]['load']:.2f}, replay {r[key]['replay']:.2f}); "
-                for key, label in (
-                    ("torchrun", "torchrun --max-restarts"),
-                    ("nvrx", "nvidia-resiliency-ext ft_launcher"),
-                )
-                if key in r
-            )
-            + f"bitwise equal to failure-free: {r['bitwise_equal']}",
-            flush=True,
-        )
-    first, last = results[0], results[-1]
+        print(_line(r, iter_s), flush=True)
+    first = results[0]
+    lost = lambda key: first[key]["lost_s"] if key in first else None  # noqa: E731
+    ratio = lambda key: (  # noqa: E731
+        lost(key) / max(first["hotswap"]["lost_s"], 1e-9)
+        if key in first and "hotswap" in first
+        else None
+    )
     summary = {
-        "hotswap_lost_s": first["hotswap"]["lost_s"],
-        "ckpt_restart_lost_s": first["ckpt_restart"]["lost_s"],
-        "ratio": first["ckpt_restart"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
-        "torchrun_lost_s": first["torchrun"]["lost_s"],
-        "ratio_torchrun": first["torchrun"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9),
-        "nvrx_lost_s": first["nvrx"]["lost_s"] if "nvrx" in first else None,
-        "ratio_nvrx": first["nvrx"]["lost_s"] / max(first["hotswap"]["lost_s"], 1e-9)
-        if "nvrx" in first
-        else None,
-        "hotswap_recovery_s": first["hotswap"]["recovery_total_s"],
-        "hotswap_growth_over_sizes": last["hotswap"]["recovery_total_s"]
-        / first["hotswap"]["recovery_total_s"]
-        - 1.0,
-        "hotswap_growth_beyond_iteration": last["hotswap"]["beyond_iteration_s"]
-        / first["hotswap"]["beyond_iteration_s"]
-        - 1.0,
-        "prebuilt_lost_s": first["prebuilt"]["lost_s"],
-        "prebuilt_recovery_s": first["prebuilt"]["recovery_total_s"],
-        "prebuilt_growth_over_sizes": last["prebuilt"]["recovery_total_s"]
-        / first["prebuilt"]["recovery_total_s"]
-        - 1.0,
-        "prebuilt_growth_beyond_iteration": last["prebuilt"]["beyond_iteration_s"]
-        / first["prebuilt"]["beyond_iteration_s"]
-        - 1.0,
-        "parameters_ratio": last["parameters"] / first["parameters"],
+        "hotswap_lost_s": lost("hotswap"),
+        "ckpt_restart_lost_s": lost("ckpt_restart"),
+        "ratio": ratio("ckpt_restart"),
+        "torchrun_lost_s": lost("torchrun"),
+        "ratio_torchrun": ratio("torchrun"),
+        "nvrx_lost_s": lost("nvrx"),
+        "ratio_nvrx": ratio("nvrx"),
+    }
+    for key in ("hotswap", "prebuilt"):
+        summary[f"{key}_lost_s"] = lost(key)
+        summary[f"{key}_recovery_s"] = first[key]["recovery_total_s"] if key in first else None
+        summary[f"{key}_growth_over_sizes"] = _growth(results, key, "recovery_total_s")
+        summary[f"{key}_growth_beyond_iteration"] = _growth(results, key, "beyond_iteration_s")
+    summary.update({
+        "parameters_ratio": results[-1]["parameters"] / first["parameters"],
         "save_interval": a.save_interval,
         "shape": f"TP{a.tp}xPP{a.pp}x{a.nproc // (a.tp * a.pp)}DP",
         "nproc": a.nproc,
+        "repeats": a.repeats,
         "bitwise_equal": all(all(r["bitwise_equal"].values()) for r in results),
-    }
+    })  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": summary, "sizes": results}, indent=1))
     plot(results, out.with_suffix(".png"))
