@@ -265,8 +265,9 @@ class DeadpoolConfig:
     deadpool_keep_model: bool = knob(
         False,
         "At a recovery, survivors keep their model, DDP and optimizer and only swap the "
-        "process groups they hold for the new generation's (a spare still builds its own; "
-        "survivors repeat their build's collectives to meet it). Experimental: on the 2-core "
+        "process groups they hold for the new generation's (a spare builds its own, unless "
+        "it built it while idle, --deadpool-spare-prebuild; survivors repeat their build's "
+        "collectives to meet a build). Experimental: on the 2-core "
         "development machine it did not shorten recoveries of 4-16 processes (see the "
         "README). Without it every process builds them again; patched Megatron-LM's "
         "pretrain() always does.",

@@ -14,7 +14,6 @@ builds.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 
@@ -27,8 +26,6 @@ from .checkpointing import materialize_optimizer_state
 from .groups import group_roles
 from .model import TrainState, build_train_state, unhook
 from .rebind import CannotRebind, unrebindable
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -78,8 +78,9 @@ def _take(pool: list[str], rank: int, later: list[int], prebuilt: Mapping) -> st
     """The spare of `pool` to seat on `rank` (removed from it): one that built for `rank`,
     else one that built for none of the `later` ranks, else the first."""
     fits = [s for s in pool if rank in prebuilt.get(s, ())]
-    spare_any = [s for s in pool if not set(later) & set(prebuilt.get(s, ()))]
-    choice = (fits or spare_any or pool)[0]
+    needed_later = set(later)
+    spare_ones = [s for s in pool if not needed_later & set(prebuilt.get(s, ()))]
+    choice = (fits or spare_ones or pool)[0]
     pool.remove(choice)
     return choice
 

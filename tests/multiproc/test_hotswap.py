@@ -258,13 +258,14 @@ def test_a_spare_that_built_while_idle_replays_its_build_for_survivors_that_buil
     tmp_path, baseline_pp2
 ):
     # Survivors build anew (no --deadpool-keep-model); the spare built every rank's state
-    # while idle and performs its build's collectives again to meet theirs.
+    # while idle and performs its build's collectives again to meet theirs. Rank 3: the last
+    # stage's DP rank 1 (the distributed optimizer's second shard).
     extra = ["--deadpool-spare-prebuild", "4"]
-    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@2:6:forward", spares=1, extra=extra)
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@3:6:forward", spares=1, extra=extra)
     _assert_same_run(result, baseline_pp2)
     (done,) = _assert_recovered(events)
-    assert done["replaced"] == {"2": "spare-0"}
-    assert "spare-0 replaces rank 2 (prebuilt)" in result.output
+    assert done["replaced"] == {"3": "spare-0"}
+    assert "spare-0 replaces rank 3 (prebuilt)" in result.output
     assert re.search(r"\[spare 0\] .*kept the model built while idle: \d+ process group "
                      r"references swapped, [1-9]\d* build collectives", result.output)  # fmt: skip
 
