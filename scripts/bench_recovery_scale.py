@@ -10,7 +10,9 @@ far apart the ranks resumed is `resume_skew_s`) is also a ratio to it. Each job'
 digest is compared with a failure-free twin of the same N (--no-twins skips them). The same
 failure is run again with --deadpool-keep-model, where survivors keep their model and
 optimizer and only swap their process groups (--no-keep-model-run skips it; a run of it that
-fails is recorded, not fatal). A least-squares line per phase (seconds = a + b x processes)
+fails is recorded, not fatal), and once more with the spare's model also built while it was
+idle (--deadpool-spare-prebuild: nobody builds during the recovery; --no-prebuilt-run skips
+it). A least-squares line per phase (seconds = a + b x processes)
 says what grows.
 
     python scripts/bench_recovery_scale.py                   # 4, 8, 16, 32 processes
@@ -19,7 +21,7 @@ says what grows.
 Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": {N: s},
 "growth_8_to_32", "first_iteration_ratio", "recovery_cpu_s" (the busiest process's CPU seconds
 over the recovery, which oversubscription does not inflate), "cpu_growth_8_to_32",
-"phase_slope_ms_per_process", "recovery_s_keep_model", ...}.
+"phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
 """
 
@@ -52,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-twins", action="store_true", help="skip the failure-free twins")
     p.add_argument("--no-keep-model-run", action="store_true",
                    help="skip the jobs whose survivors keep their model")  # fmt: skip
+    p.add_argument("--no-prebuilt-run", action="store_true",
+                   help="skip the jobs in which nobody builds (models kept and prebuilt)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"))
     p.add_argument("--reuse", action="store_true",
                    help="summarize the jobs a previous run recorded in --out again")  # fmt: skip
@@ -69,9 +73,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, keep: bool = False) -> dict:
+def job(
+    a: argparse.Namespace,
+    n: int,
+    workdir: Path,
+    failure: bool,
+    keep: bool = False,
+    prebuilt: bool = False,
+) -> dict:
     """One job of n processes (+1 spare); returns its phases, iteration time and digest.
-    With `keep`, survivors keep their model through the recovery."""
+    With `keep`, survivors keep their model through the recovery; with `prebuilt`, the spare
+    also built every rank's while idle."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
     metrics.unlink(missing_ok=True)
@@ -87,6 +99,8 @@ def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, keep: bool 
         flags += ["--deadpool-inject", f"kill@{victim}:{a.fail_at}"]
     if keep:
         flags.append("--deadpool-keep-model")
+    if prebuilt:
+        flags += ["--deadpool-spare-prebuild", str(n)]
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(n),
            "--spares", "1", str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
     start = time.time()
@@ -114,16 +128,21 @@ def job(a: argparse.Namespace, n: int, workdir: Path, failure: bool, keep: bool 
     return out
 
 
-def keep_model_run(a: argparse.Namespace, n: int, work: Path, digest: str | None) -> dict:
-    """The same failure with --deadpool-keep-model; a job that fails is recorded as such."""
+def keep_model_run(
+    a: argparse.Namespace, n: int, work: Path, digest: str | None, prebuilt: bool = False
+) -> dict:
+    """The same failure with --deadpool-keep-model (and with `prebuilt`, the spare's model
+    built while idle); a job that fails is recorded as such."""
+    what = "nobody building" if prebuilt else "survivors keeping their model"
     try:
-        kept = job(a, n, work / f"n{n}" / "keep", failure=True, keep=True)
+        kept = job(a, n, work / f"n{n}" / ("prebuilt" if prebuilt else "keep"), failure=True,
+                   keep=True, prebuilt=prebuilt)  # fmt: skip
     except SystemExit as why:
-        print(f"{n:>3} processes, survivors keeping their model: FAILED ({why})", flush=True)
+        print(f"{n:>3} processes, {what}: FAILED ({why})", flush=True)
         return {"failed": str(why)}
     out = {k: kept[k] for k in ("recovery_s", "phases", "iteration_s")}
     out["bitwise_equal"] = kept["digest"] == digest if digest else None
-    print(f"{n:>3} processes, survivors keeping their model: recovery {kept['recovery_s']:.2f} s "
+    print(f"{n:>3} processes, {what}: recovery {kept['recovery_s']:.2f} s "
           f"(rebuild_model {kept['phases']['rebuild_model']:.2f}, first_iteration "
           f"{kept['phases']['first_iteration']:.2f}), bitwise equal to the twin: "
           f"{out['bitwise_equal']}", flush=True)  # fmt: skip
@@ -191,6 +210,17 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
             if "phases" in runs[n].get("keep", {})
         }
         or None,
+        # ... and with the spare's model built while it was idle: nobody builds.
+        "recovery_s_prebuilt": {
+            str(n): runs[n]["prebuilt"].get("recovery_s") for n in counts if "prebuilt" in runs[n]
+        }
+        or None,
+        "phases_s_prebuilt": {
+            str(n): {k: round(v, 3) for k, v in runs[n]["prebuilt"]["phases"].items()}
+            for n in counts
+            if "phases" in runs[n].get("prebuilt", {})
+        }
+        or None,
         "shape": "TP1xPP2xDP(N/2), 1 spare",
         "hidden_size": a.hidden_size,
         "num_layers": a.num_layers,
@@ -216,11 +246,14 @@ def plot(summary: dict, path: Path) -> None:
     for i, n in enumerate(counts):
         ax.annotate(f"{summary['recovery_s'][str(n)]:.2f} s", (i, bottom[i]), ha="center",
                     va="bottom", fontsize=8)  # fmt: skip
-    keep = {n: s for n, s in (summary.get("recovery_s_keep_model") or {}).items() if s}
-    if keep:
-        xs = [i for i, n in enumerate(counts) if str(n) in keep]
-        ax.plot(xs, [keep[str(counts[i])] for i in xs], "kx--",
-                label="--deadpool-keep-model: survivors keep their model")  # fmt: skip
+    for key, style, label in (
+        ("recovery_s_keep_model", "kx--", "--deadpool-keep-model: survivors keep their model"),
+        ("recovery_s_prebuilt", "r^:", "... and the spare's model built while idle"),
+    ):
+        line = {n: s for n, s in (summary.get(key) or {}).items() if s}
+        if line:
+            xs = [i for i, n in enumerate(counts) if str(n) in line]
+            ax.plot(xs, [line[str(counts[i])] for i in xs], style, label=label)
     ax.set_xlabel("processes (TP1 x PP2 x DP N/2)")
     ax.set_ylabel("failure to first resumed iteration (s)")
     ax.set_title("Hot-swap recovery by job size (CPU, gloo, one killed rank)\n"
@@ -244,8 +277,11 @@ def main(argv=None) -> int:
         if not a.no_twins:
             twin = job(a, n, work / f"n{n}" / "free", failure=False)
             failed["bitwise_equal"] = failed["digest"] == twin["digest"]
+        digest = twin["digest"] if not a.no_twins else None
         if not a.no_keep_model_run:
-            failed["keep"] = keep_model_run(a, n, work, twin["digest"] if not a.no_twins else None)
+            failed["keep"] = keep_model_run(a, n, work, digest)
+        if not a.no_prebuilt_run:
+            failed["prebuilt"] = keep_model_run(a, n, work, digest, prebuilt=True)
         runs[n] = failed
         ph = failed["phases"]
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
