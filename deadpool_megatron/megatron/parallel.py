@@ -53,7 +53,11 @@ def init_distributed(
 def init_stand_in(cfg: JobConfig, rank: int, world_size: int) -> bool:
     """Stand-in groups for `rank` of `world_size`, in a process with no peers: torch's "fake"
     backend, whose collectives return at once and move nothing. megatron-core then builds what
-    it builds for that rank (megatron/prebuild.py). Returns True on a GPU."""
+    it builds for that rank (megatron/prebuild.py). Returns True on a GPU. The backend is
+    registered by torch's module of it, imported here (megatron-core happens to import it
+    through torch's FSDP utilities; that is not relied on)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
+
     on_gpu = not cpu_backend.should_activate(cfg.system.cpu)
     _init(cfg, rank, world_size, dist.HashStore(), "fake", on_gpu)
     return on_gpu
