@@ -40,6 +40,8 @@ from .nodes import NodeWatch
 from .pool import SparePool
 
 log = logging.getLogger("deadpool.launch")
+# free spares in the order the plan seats them, and spare -> ranks it built a model for
+Spares = tuple[list[str], dict[str, tuple[int, ...]]]
 
 RECOVERY_TIMEOUT_S = 300.0
 FOLLOW_POLL_S = 0.02
@@ -122,8 +124,8 @@ class HotSwap:
             ),
         )
         try:
-            free = self._spares_for(rec.generation, rec.permanent)
-            plan = coordinator.decide(rec, held, free, self._prebuilt(free))
+            free, prebuilt = self._spares_for(rec.generation, rec.permanent)
+            plan = coordinator.decide(rec, held, free, prebuilt)
         except Unrecoverable as err:
             lost = sorted(rec.permanent) or ["?"]
             if self.on_unrecoverable == "checkpoint-restart":
@@ -145,28 +147,30 @@ class HotSwap:
             self.run.lost_nodes.extend(self.run.nodes.poll())
         return self.run.nodes.lost_rank(rank, generation)
 
-    def _spares_for(self, generation: int, failed: set[int]) -> list[str]:
+    def _spares_for(self, generation: int, failed: set[int]) -> Spares:
         """The free spares; when they are fewer than the lost ranks and spares are still
         starting (a pool being replenished), wait for those first rather than give up."""
-        free = self._free_spares(failed)
+        spares = self._free_spares(failed)
+        free = spares[0]
         starting = self._starting()
         if len(free) >= len(failed) or not starting:
-            return free
+            return spares
         log.info("recovery into generation %d: %d free spare(s) for %d lost rank(s); waiting "
                  "up to %.0f s for spare(s) %s, still starting", generation, len(free),
                  len(failed), SPARE_START_WAIT_S, starting)  # fmt: skip
 
-        def poll() -> tuple[list[str]] | None:
-            free = self._free_spares(failed)
-            return (free,) if len(free) >= len(failed) or not self._starting() else None
+        def poll() -> tuple[Spares] | None:
+            spares = self._free_spares(failed)
+            enough = len(spares[0]) >= len(failed)
+            return (spares,) if enough or not self._starting() else None
 
         try:
-            (free,) = wait_until(poll, SPARE_START_WAIT_S, "spares still starting",
-                                 interval_s=SPARE_POLL_S)  # fmt: skip
+            (spares,) = wait_until(poll, SPARE_START_WAIT_S, "spares still starting",
+                                   interval_s=SPARE_POLL_S)  # fmt: skip
         except StoreTimeout as err:
             log.warning("%s; planning with the spares there are", err)
-            free = self._free_spares(failed)
-        return free
+            spares = self._free_spares(failed)
+        return spares
 
     def _starting(self) -> list[str]:
         """Spares alive here, or listed by a live node's lease, not ready yet."""
@@ -174,8 +178,10 @@ class HotSwap:
         ids = dict.fromkeys([*local, *self.run.nodes.hosted_spares()])
         return [sid for sid in ids if not self._ready(sid)]
 
-    def _free_spares(self, failed: set[int]) -> list[str]:
-        """The spares free to take over, in the order the plan should use them (by node)."""
+    def _free_spares(self, failed: set[int]) -> Spares:
+        """The spares free to take over, in the order the plan should use them (by node, and
+        among a node's, one that built the failed rank's model first), and the ranks each
+        can take over with what it built while idle (read once, for the order and the plan)."""
         current = MembershipStore(self.kv, self.ctx.job).current()
         local = {spare_id(c.index): c for c in self.run.pool.idle}
         free: dict[str, int | None] = {}
@@ -193,7 +199,8 @@ class HotSwap:
             r: self.node if r in self.run.workers else self.run.nodes.host_of(r) for r in failed
         }
         busy = self.run.nodes.busy() | ({self.node} if self.run.workers else set())
-        return order_spares(where, free, self.run.nodes.lost_nodes(), busy, self._prebuilt(free))
+        prebuilt = self._prebuilt(free)
+        return order_spares(where, free, self.run.nodes.lost_nodes(), busy, prebuilt), prebuilt
 
     def _prebuilt(self, spares) -> dict[str, tuple[int, ...]]:
         """The ranks each spare can take over with the model it built while idle."""
