@@ -249,9 +249,11 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def _median_breakdown(parts: list[dict]) -> dict:
-    """Each figure's median over repeats (one repeat: itself); the recoveries kept too."""
+    """Each figure's median over repeats (one repeat: itself); a hot-swap's recoveries kept
+    too."""
     out = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-    out["recovery_runs_s"] = [p["recovery_total_s"] for p in parts if "recovery_total_s" in p]
+    if "recovery_total_s" in parts[0]:  # a hot-swap's
+        out["recovery_runs_s"] = [p["recovery_total_s"] for p in parts]
     return out
 
 

@@ -199,31 +199,29 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
             "processes": counts,
         },
         "bitwise_equal": {str(n): runs[n].get("bitwise_equal") for n in counts},
-        # The same failure with survivors keeping their model (None: that job failed).
-        "recovery_s_keep_model": {
-            str(n): runs[n]["keep"].get("recovery_s") for n in counts if "keep" in runs[n]
-        }
-        or None,
-        "phases_s_keep_model": {
-            str(n): {k: round(v, 3) for k, v in runs[n]["keep"]["phases"].items()}
-            for n in counts
-            if "phases" in runs[n].get("keep", {})
-        }
-        or None,
-        # ... and with the spare's model built while it was idle: nobody builds.
-        "recovery_s_prebuilt": {
-            str(n): runs[n]["prebuilt"].get("recovery_s") for n in counts if "prebuilt" in runs[n]
-        }
-        or None,
-        "phases_s_prebuilt": {
-            str(n): {k: round(v, 3) for k, v in runs[n]["prebuilt"]["phases"].items()}
-            for n in counts
-            if "phases" in runs[n].get("prebuilt", {})
-        }
-        or None,
+        # The same failure with survivors keeping their model (None: that job failed), and
+        # with the spare's model also built while it was idle: nobody builds.
+        **_variant(runs, counts, "keep", "keep_model"),
+        **_variant(runs, counts, "prebuilt", "prebuilt"),
         "shape": "TP1xPP2xDP(N/2), 1 spare",
         "hidden_size": a.hidden_size,
         "num_layers": a.num_layers,
+    }
+
+
+def _variant(runs: dict[int, dict], counts: list[int], key: str, name: str) -> dict:
+    """A variant run's recoveries and phases by process count (None where none ran)."""
+    return {
+        f"recovery_s_{name}": {
+            str(n): runs[n][key].get("recovery_s") for n in counts if key in runs[n]
+        }
+        or None,
+        f"phases_s_{name}": {
+            str(n): {k: round(v, 3) for k, v in runs[n][key]["phases"].items()}
+            for n in counts
+            if "phases" in runs[n].get(key, {})
+        }
+        or None,
     }
 
 

@@ -5,24 +5,16 @@ tested by tests/multiproc/test_hotswap.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from jobs import ROOT
+from jobs import ROOT, run_drivers
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_a_stand_in_build_is_the_target_ranks_own():
     # A process of its own: torch.distributed and megatron-core's globals are per process.
-    driver = ROOT / "tests" / "drivers" / "prebuild_driver.py"
-    done = subprocess.run([sys.executable, str(driver)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=150)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (out,) = run_drivers(ROOT / "tests" / "drivers" / "prebuild_driver.py", [[]], timeout_s=150)
     first, last = out["3"], out["5"]  # demo vocabulary 128 over TP2: TP rank 1 holds 64-128
     assert first["vocab_range"] == [64, 128] and first["pre_process"]
     assert not first["post_process"] and last["post_process"] and not last["pre_process"]

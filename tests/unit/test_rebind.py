@@ -4,24 +4,17 @@ has no counterpart, nothing is changed and the caller builds the state again."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from jobs import ROOT
+from jobs import ROOT, run_drivers
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def _run(*args: str) -> dict:
     # A process of its own: torch.distributed and megatron-core's globals are per process.
-    driver = ROOT / "tests" / "drivers" / "rebind_driver.py"
-    done = subprocess.run([sys.executable, str(driver), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=150)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    (out,) = run_drivers(ROOT / "tests" / "drivers" / "rebind_driver.py", [list(args)], 150)
+    return out
 
 
 def test_every_old_group_a_real_gpt_state_holds_is_swapped_for_the_new_one():

@@ -5,24 +5,16 @@ diverged from its first optimizer step on (the gradient norm counted each shard 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from jobs import ROOT
+from jobs import ROOT, run_drivers
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_an_undrawn_build_marks_every_parameter_as_a_drawn_one():
     # A process of its own: torch.distributed and megatron-core's globals are per process.
-    driver = ROOT / "tests" / "drivers" / "undrawn_driver.py"
-    done = subprocess.run([sys.executable, str(driver)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=150)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    (out,) = run_drivers(ROOT / "tests" / "drivers" / "undrawn_driver.py", [[]], timeout_s=150)
     assert out["undrawn"] == out["drawn"]
     tp_marked = [n for n, m in out["drawn"].items() if m[2]]
     assert len(tp_marked) > 4  # the check sees the marks that went missing
