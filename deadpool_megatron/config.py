@@ -279,8 +279,9 @@ class DeadpoolConfig:
         "for when one is free; claimed, it swaps the groups for the new generation's instead "
         "of building (survivors then repeat no build collectives for it, with "
         "--deadpool-keep-model). Each build holds one rank's model and optimizer in the "
-        "spare's memory; the spares take the ranks in turn (spare k: ranks k*N...). Not with "
-        "patched Megatron-LM, whose pretrain() builds the model.",
+        "spare's memory. The ranks it would be seated on: a worker node's spares share out "
+        "that node's ranks in turn; a spare node's spare in slot i takes local rank i of "
+        "each node in turn. Not with patched Megatron-LM, whose pretrain() builds the model.",
     )
     deadpool_verify_groups: bool = knob(
         False,

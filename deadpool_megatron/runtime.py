@@ -46,6 +46,7 @@ class ProcessEnv:
     progress_file: str | None = None
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT: 0 in the first attempt
     hosts_store: bool = False  # this process hosts the store at MASTER_PORT (see `from_environ`)
+    node: int = 0  # GROUP_RANK: the launcher's node (spare nodes count after the worker nodes)
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> ProcessEnv:
@@ -82,6 +83,7 @@ class ProcessEnv:
             progress_file=env.get(ENV_PROGRESS_FILE),
             restart_count=restarts,
             hosts_store=hosts,
+            node=int(env.get("GROUP_RANK", "0")),
         )
 
 

@@ -74,6 +74,7 @@ class Launch:
     master_addr: str
     world_size: int
     local_world_size: int
+    node: int = 0  # this agent's node (GROUP_RANK, as torchrun names it)
     fork_server: bool = True  # fork children from a preloaded interpreter (forkserver.py)
     fork_preload: tuple[str, ...] = DEFAULT_PRELOAD  # what the fork server imports once
 
@@ -128,12 +129,14 @@ class Children:
             MASTER_ADDR=self.launch.master_addr,
             WORLD_SIZE=str(self.launch.world_size),
             LOCAL_WORLD_SIZE=str(self.launch.local_world_size),
+            GROUP_RANK=str(self.launch.node),
         )
         full.update(env)
         full[ENV_ROLE] = role
         full[ENV_PROGRESS_FILE] = board
+        full["LOCAL_RANK"] = str(local_rank)  # a spare's too: its device, its slot on the node
         if role == ROLE_WORKER:
-            full.update(RANK=str(index), LOCAL_RANK=str(local_rank))
+            full["RANK"] = str(index)
             full.pop(ENV_SPARE_INDEX, None)
         else:
             full[ENV_SPARE_INDEX] = str(index)

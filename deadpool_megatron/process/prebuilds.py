@@ -29,6 +29,7 @@ class SparePrebuilds:
         fits: Callable[[int], tuple[int, ...]],
         publish: Callable[[tuple[int, ...]], None],
     ):
+        self.targets = tuple(targets)  # what it was asked to build, in order
         self._todo = list(targets)
         self._build = build
         self._fits = fits

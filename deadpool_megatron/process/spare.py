@@ -111,8 +111,11 @@ def spare_prebuilds(cfg, env: ProcessEnv, client: ControlClient) -> SparePrebuil
     topo = Topology(env.world_size, p.tensor_model_parallel_size,
                     p.pipeline_model_parallel_size, env.local_world_size)  # fmt: skip
     distopt = p.use_distributed_optimizer
+    # The launcher starts a worker node's spares after its workers, a spare node's from 0.
+    local, per_node = env.local_rank, env.local_world_size
+    slot = local - per_node if local >= per_node else local
     return SparePrebuilds(
-        prebuild_targets(topo, env.spare_index, count, distopt),
+        prebuild_targets(topo, env.node, slot, count, distopt),
         build=lambda rank: prebuild(cfg, rank, env.world_size),
         fits=lambda rank: fitting_ranks(topo, rank, distopt),
         publish=lambda ranks: client.publish_prebuilt(env.spare_index, ranks),

@@ -101,14 +101,27 @@ def fitting_ranks(topo: Topology, rank: int, distributed_optimizer: bool) -> tup
 
 
 def prebuild_targets(
-    topo: Topology, spare_index: int, count: int, distributed_optimizer: bool
+    topo: Topology, node: int, slot: int, count: int, distributed_optimizer: bool
 ) -> list[int]:
-    """The ranks spare `spare_index` builds a model and optimizer for while idle: `count`
-    kinds of rank (by `fitting_ranks`), the spares taking consecutive kinds in turn so that
-    together they cover as many as they can; each kind by its lowest rank."""
+    """The ranks the spare in `slot` of `node` builds a model and optimizer for while idle:
+    `count` kinds of rank (by `fitting_ranks`), each kind by its first rank, among the ranks it
+    would be seated on. A worker node's spares take its own ranks' failures first
+    (`order_spares`): they take consecutive kinds of that node's ranks in turn, so that
+    together they cover as many as they can. A spare node takes a lost node over slot by slot:
+    its spare in slot i builds for local rank i of the worker nodes, each spare node starting
+    at another node. One node holding every rank (or no node layout) is the first case."""
+    per_node = topo.ranks_per_node or topo.world_size
+    nodes = topo.world_size // per_node
+    if node < nodes:  # a worker node's spare
+        candidates = list(range(node * per_node, (node + 1) * per_node))
+        start = slot * count
+    else:  # a spare node's: it would take local rank `slot` of whichever node is lost
+        local = slot % per_node
+        candidates = [n * per_node + local for n in range(nodes)]
+        start = (node - nodes) * count
     kinds: dict[tuple[int, ...], int] = {}
-    for r in range(topo.world_size):
+    for r in candidates:
         kinds.setdefault(_fit_key(topo, r, distributed_optimizer), r)
     order = list(kinds.values())
     count = min(count, len(order))
-    return [order[(spare_index * count + i) % len(order)] for i in range(count)]
+    return [order[(start + i) % len(order)] for i in range(count)]

@@ -65,18 +65,17 @@ from ..errors import DeadpoolError
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
 from ..megatron import gloo_ops, parallel
-from ..megatron.build_calls import replay, unreplayable
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import group_roles, live_groups, stale_groups
-from ..megatron.model import TrainState, build_train_state, rehook, unhook
+from ..megatron.model import TrainState, build_train_state, unhook
 from ..megatron.prebuild import Prebuilt
-from ..megatron.rebind import CannotRebind, rebind
 from ..megatron.shard import RankState
 from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
+from .kept import Kept, keep_or_build
 from .leftovers import LeftBehind, referrer_chain
 from .plan import RankHoldings, RecoveryPlan, check_plan
 
@@ -170,15 +169,6 @@ class Held:
             if pair.find(iteration) is not None:
                 return pair
         raise DeadpoolError(f"no replica of rank {owner}'s shard at iteration {iteration} here")
-
-
-@dataclass
-class Kept:
-    """A survivor's model, DDP, optimizer and scheduler, kept through a recovery, and the
-    gradient hooks cut off them meanwhile."""
-
-    state: TrainState
-    hooks: list[dict]
 
 
 @dataclass
@@ -417,7 +407,7 @@ class ProcessRecovery:
         host = parallel.host_group()  # with the other groups: before any fault can strike
         phases = {"rebuild_communicators": time.perf_counter() - t}
         t = time.perf_counter()
-        state = self._rebound(anyone_builds(plan, self.keep_model), strict=prebuilt)
+        state = self._rebound(anyone_builds(plan, self.keep_model), host, prebuilt)
         if state is None:
             # the restore overwrites weights and optimizer state entirely: neither is drawn
             state = build_train_state(self.cfg, on_gpu, initialize=False)
@@ -435,9 +425,9 @@ class ProcessRecovery:
         prebuilt, self._prebuilt = self._prebuilt, None
         counted = self.env.rank in plan.prebuilt
         if prebuilt is None:
-            if counted:  # its peers would not meet its build's collectives
-                raise RecoveryFailed(f"the plan counts on rank {self.env.rank}'s model built "
-                                     "while idle, and this spare has none")  # fmt: skip
+            if counted:  # it builds; its peers learn so in keep_or_build
+                log.warning("building the model: the plan counts on one built while idle for "
+                            "rank %d, and this spare has none", self.env.rank)  # fmt: skip
             return False
         if not counted:
             log.info("building the model: the plan does not count on the one built while "
@@ -447,32 +437,14 @@ class ProcessRecovery:
         self._roles = dict(prebuilt.roles)
         return True
 
-    def _rebound(self, others_build: bool, strict: bool = False) -> TrainState | None:
-        """The kept state, its groups swapped for the new generation's and its hooks back;
-        None if nothing is kept or a group cannot be swapped (then it is built again; with
-        `strict`, for a state its peers count on, the recovery fails instead). When other
-        ranks build their model, the collectives of this rank's own build are performed
-        again, to meet theirs (megatron/build_calls.py)."""
+    def _rebound(self, plan_builds: bool, host, prebuilt: bool) -> TrainState | None:
+        """The kept state rebound to the new generation (recovery/kept.py), or None: then it
+        is built again."""
         kept, roles, self._roles = self._kept, self._roles, {}  # roles hold the old groups
-        if kept is None:
-            return None
-        try:
-            why_not = unreplayable(kept.state.build_calls) if others_build else None
-            if why_not:
-                raise CannotRebind(f"another rank builds, and {why_not}")
-            swapped = rebind(kept.state, roles)
-        except CannotRebind as why:
+        state = keep_or_build(kept, roles, plan_builds, host, prebuilt)
+        if state is None:
             self._kept = None
-            if strict:
-                raise RecoveryFailed(f"the model built while idle: {why}") from why
-            log.warning("building the model again: %s", why)
-            return None
-        rehook(kept.state, kept.hooks)
-        replayed = replay(kept.state.build_calls) if others_build else 0
-        log.info("kept the model%s: %d process group references swapped, %d build "
-                 "collectives performed again for the ranks that build",
-                 " built while idle" if strict else "", swapped, replayed)  # fmt: skip
-        return kept.state
+        return state
 
     def reset_communicators(self, plan: RecoveryPlan) -> list:
         """Tear down every group and meet the generation on the store; returns the groups

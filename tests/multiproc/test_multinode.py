@@ -124,14 +124,20 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
 def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node(
     tmp_path, baseline
 ):
-    # One job, two failures. Rank 3 (node 1) is killed in iteration 6: node 1's own spare
+    # One job, two failures. Rank 2 (node 1) is killed in iteration 6: node 1's own spare
     # (index 1 x 2 slots + 0 = spare-2) takes it and the spare node stays whole. Then node 2's
     # agent alone is killed: its processes die with it and node 2 is swapped onto the spare node.
+    # Every spare builds while idle for the ranks it would be seated on (--deadpool-spare-prebuild
+    # 3): spare-2 for node 1's ranks 2 and 3, the spare node's spares for local rank 0, resp. 1,
+    # of every node. Both takeovers are seated on their builds; with --deadpool-keep-model,
+    # nobody builds or replays a model.
     log = tmp_path / "events.jsonl"
-    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@3:6"]
+    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@2:6",
+            "--deadpool-spare-prebuild", "3", "--deadpool-keep-model"]  # fmt: skip
     nodes = start_nodes(tmp_path, 3, 1, NPROC, args, spares=1)
     try:
         nodes.wait_for_iteration(9, 300)
+        _wait_for_builds(nodes, 3, {6: 4, 7: 5})
         children = nodes.kill_agent(2)
         killed_at = time.time()
         gone_after = None
@@ -150,10 +156,27 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
     assert job.losses == baseline.losses and job.digest == baseline.digest
     events = read_events(str(log))
     first, second = _named(events, "recovery_done")
-    assert first["replaced"] == {"3": "spare-2"}
+    assert first["replaced"] == {"2": "spare-2"}
     assert second["replaced"] == {"4": "spare-6", "5": "spare-7"}
     assert [e["node"] for e in _named(events, "node_lost")] == [2]
     assert "spare 0: job finished, exiting" in nodes.output(0)  # node 0's spare, never needed
+    out = nodes.all_output()
+    assert "spare-2 replaces rank 2 (prebuilt)" in out
+    assert "spare-6 replaces rank 4 (prebuilt), spare-7 replaces rank 5 (prebuilt)" in out
+    kept = re.findall(r"\[spare (\d)\] .*kept the model built while idle: \d+ process group "
+                      r"references swapped, 0 build collectives", out)  # fmt: skip
+    assert sorted(kept) == ["2", "6", "7"], out[-6000:]
+    replays = re.findall(r"kept the model.*, (\d+) build collectives", out)
+    assert replays == ["0"] * 12, replays  # 5 survivors and a spare, then 4 and two spares
+
+
+def _wait_for_builds(nodes, node: int, built: dict[int, int], timeout_s: float = 60) -> None:
+    """Until each spare of `node` in `built` (index -> rank) logged its build for that rank."""
+    deadline = time.monotonic() + timeout_s
+    while not all(re.search(rf"\[spare {s}\] .*built rank {r}'s model", nodes.output(node))
+                  for s, r in built.items()):  # fmt: skip
+        assert time.monotonic() < deadline, nodes.output(node)[-4000:]
+        time.sleep(0.05)
 
 
 def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_path, baseline_long):

@@ -19,10 +19,12 @@ from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.megatron.arguments import parse_job_args
 from deadpool_megatron.megatron.prebuild import Prebuilt
 from deadpool_megatron.process.prebuilds import SparePrebuilds
+from deadpool_megatron.process.spare import spare_prebuilds
 from deadpool_megatron.recovery.placement import fitting_ranks, order_spares, prebuild_targets
-from deadpool_megatron.recovery.stages import ProcessRecovery, RecoveryFailed, anyone_builds
+from deadpool_megatron.recovery.stages import ProcessRecovery, anyone_builds
 from deadpool_megatron.runtime import ProcessEnv
 from deadpool_megatron.topology import Topology
+from jobs import ROOT
 
 DEMO = Topology(8, 2, 2)  # TP2 x PP2 x DP2: rank = tp + 2 * (dp + 2 * pp)
 
@@ -47,7 +49,36 @@ def test_a_state_fits_the_ranks_of_the_same_coordinates():
     ],
 )
 def test_spares_spread_their_builds_over_the_kinds_of_rank(spare, count, distopt, expected):
-    assert prebuild_targets(DEMO, spare, count, distopt) == expected
+    assert prebuild_targets(DEMO, 0, spare, count, distopt) == expected  # one node
+
+
+# DP6 on 3 worker nodes of 2 (ranks 2n, 2n+1 on node n) and spare node 3, as in the multi-node
+# tests; TP2 x PP2 x DP2 on 2 nodes of 4 (node 0: stage 0, node 1: stage 1).
+DP6 = Topology(6, 1, 1, ranks_per_node=2)
+TP2PP2 = Topology(8, 2, 2, ranks_per_node=4)
+
+
+@pytest.mark.parametrize(
+    ("topo", "node", "slot", "count", "distopt", "expected"),
+    [
+        (DP6, 1, 0, 1, True, [2]),  # a worker node's spares build for that node's ranks
+        (DP6, 1, 1, 1, True, [3]),  # ... in turn
+        (DP6, 1, 0, 3, True, [2, 3]),  # ... and never for another node's
+        (DP6, 2, 0, 2, True, [4, 5]),
+        (DP6, 3, 0, 3, True, [0, 2, 4]),  # a spare node's slot i: local rank i of every node
+        (DP6, 3, 1, 2, True, [1, 3]),
+        (DP6, 4, 1, 2, True, [5, 1]),  # a second spare node starts at another node
+        (DP6, 1, 0, 1, False, [2]),  # one kind for all: any rank stands for it
+        (TP2PP2, 1, 0, 2, False, [4, 5]),  # stage 1's kinds (tp, pp): ranks 4 and 5
+        (TP2PP2, 1, 1, 2, False, [4, 5]),  # two kinds on the node: the spares share them
+        (TP2PP2, 2, 1, 2, False, [1, 5]),  # spare node, slot 1: TP rank 1 of either stage
+        (TP2PP2, 2, 2, 2, False, [2, 6]),  # slot 2: local rank 2 (TP rank 0, DP rank 1)
+    ],
+)
+def test_spares_build_for_the_ranks_they_would_be_seated_on(
+    topo, node, slot, count, distopt, expected
+):
+    assert prebuild_targets(topo, node, slot, count, distopt) == expected
 
 
 SPARES = {"spare-0": 0, "spare-1": 0, "spare-2": 0}
@@ -148,6 +179,24 @@ def test_a_failed_build_stops_the_builds_and_keeps_what_was_built():
     assert pre.take(2) is None and pre.take(1) is None  # taking lets every other go
 
 
+def test_a_spare_builds_for_the_ranks_of_its_node_and_slot():
+    # What deadpool-launch starts spares with (tests/unit/test_children.py): GROUP_RANK and
+    # LOCAL_RANK. DP6 on 3 worker nodes of 2 with a spare node 3, the distributed optimizer.
+    cfg = parse_job_args(["--config", str(ROOT / "configs" / "demo.yaml"),
+                          "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+                          "1", "--global-batch-size", "12", "--deadpool-spare-prebuild", "3"], 6)  # fmt: skip
+
+    def targets(node: int, local_rank: int) -> tuple[int, ...]:
+        env = ProcessEnv.from_environ({"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "2",
+                                       "GROUP_RANK": str(node), "LOCAL_RANK": str(local_rank),
+                                       "DEADPOOL_SPARE_INDEX": "0", "DEADPOOL_ROLE": "spare"})  # fmt: skip
+        return spare_prebuilds(cfg, env, client=None).targets
+
+    assert targets(1, 2) == (2, 3)  # node 1's spare, after its 2 workers: node 1's ranks
+    assert targets(3, 0) == (0, 2, 4)  # the spare node's first slot: every node's local rank 0
+    assert targets(3, 1) == (1, 3, 5)
+
+
 def test_a_negative_prebuild_count_is_refused_before_anything_starts():
     with pytest.raises(ConfigError, match="--deadpool-spare-prebuild=-1 must be 0"):
         parse_job_args(["--deadpool-spare-prebuild", "-1"], 1)
@@ -173,7 +222,7 @@ def test_a_claimed_spare_keeps_its_prebuilt_state_only_when_the_plan_counts_on_i
     recovery = Recovery(kv, prebuilt)
     assert not recovery._adopt_prebuilt(dataclasses.replace(counted, prebuilt=()))
     assert recovery._kept is None
-    # The plan counts on a build the spare does not have: its peers would not meet its
-    # build's collectives, so it fails (the agent seats another spare).
-    with pytest.raises(RecoveryFailed, match="this spare has none"):
-        Recovery(kv, None)._adopt_prebuilt(counted)
+    # The plan counts on a build the spare does not have: it builds, and its peers learn so
+    # before any build collective (recovery/kept.py, tests/unit/test_keep_or_build.py).
+    recovery = Recovery(kv, None)
+    assert not recovery._adopt_prebuilt(counted) and recovery._kept is None
