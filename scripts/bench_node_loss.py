@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_path import results_file  # noqa: E402 (this folder, as a script)
+
 from deadpool_megatron.agent.local import start_local_nodes  # noqa: E402
 from deadpool_megatron.events import read_events  # noqa: E402
 
@@ -47,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "hosts the store)")  # fmt: skip
     p.add_argument("--node-timeout", type=float, default=2.0,
                    help="--deadpool-node-timeout (default 2.0 s)")  # fmt: skip
-    p.add_argument("--out", default="runs/bench_node_loss.json")
+    p.add_argument("--out", default="runs/bench_node_loss.json", type=results_file)
     a = p.parse_args(argv)
     if not 0 < a.victim_node < a.nnodes:
         p.error(f"--victim-node {a.victim_node} must be a worker node other than 0 "

@@ -31,6 +31,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_path import results_file  # noqa: E402 (this folder, as a script)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -49,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8, help="windows, alternating off/on (8)")
     p.add_argument("--warmup", type=int, default=3, help="iterations before the first window")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--out", default=str(ROOT / "runs" / "bench_overhead.json"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_overhead.json"), type=results_file)
     p.add_argument("--worker-result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

@@ -55,6 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_path import results_file  # noqa: E402 (this folder, as a script)
+
 from deadpool_megatron.events import read_events  # noqa: E402
 
 HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"))
@@ -102,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each job; every figure is the median over them (default 1)")  # fmt: skip
-    p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery.json"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery.json"), type=results_file)
     p.add_argument("--reuse", action="store_true",
                    help="re-analyse the jobs a previous run left in its work folder")  # fmt: skip
     a = p.parse_args(argv)

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_recovery import HOTSWAP_PHASES as PHASES  # noqa: E402 (this folder, as a script)
+from results_path import results_file  # noqa: E402 (this folder, as a script)
 
 from deadpool_megatron.events import read_events  # noqa: E402
 
@@ -56,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the jobs whose survivors keep their model")  # fmt: skip
     p.add_argument("--no-prebuilt-run", action="store_true",
                    help="skip the jobs in which nobody builds (models kept and prebuilt)")  # fmt: skip
-    p.add_argument("--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"))
+    p.add_argument(
+        "--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"), type=results_file
+    )
     p.add_argument("--reuse", action="store_true",
                    help="summarize the jobs a previous run recorded in --out again")  # fmt: skip
     a = p.parse_args(argv)

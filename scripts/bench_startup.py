@@ -34,6 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_path import results_file  # noqa: E402 (this folder, as a script)
+
 from deadpool_megatron.events import read_events  # noqa: E402
 
 MODES = ("fork", "spawn")
@@ -48,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "its own interpreter to register before the end)")  # fmt: skip
     p.add_argument("--kill-spare-at", type=int, default=3,
                    help="iteration at which spare 0 is killed (default 3; 0: never)")  # fmt: skip
-    p.add_argument("--out", default=str(ROOT / "runs" / "bench_startup.json"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_startup.json"), type=results_file)
     a = p.parse_args(argv)
     if a.nproc not in (4, 8):
         p.error(f"--nproc {a.nproc}: 4 (TP2 x PP2) or 8 (TP2 x PP2 x DP2)")

@@ -23,6 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from results_path import results_file  # noqa: E402 (this folder, as a script)
+
 from deadpool_megatron.errors import ConfigError  # noqa: E402
 from deadpool_megatron.sim.params import SimParams, with_bench_costs  # noqa: E402
 from deadpool_megatron.sim.study import (  # noqa: E402
@@ -51,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale-json", default=str(ROOT / "runs" / "bench_recovery_scale.json"),
                    help="with --costs bench: recovery growth per process, from "
                         "bench_recovery_scale.py (used when the file exists)")  # fmt: skip
-    p.add_argument("--out", default=str(ROOT / "runs" / "simulate_job.json"))
+    p.add_argument("--out", default=str(ROOT / "runs" / "simulate_job.json"), type=results_file)
     a = p.parse_args(argv)
     if a.seeds < 2:
         p.error(f"--seeds {a.seeds} must be at least 2 (for confidence intervals)")

@@ -34,7 +34,9 @@ def runs_3d(tmp_path_factory):
 def runs_interleaved(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("interleaved")
     ckpt = tmp / "ckpt"
-    full = [run_job(tmp, 4, SHAPE_INTERLEAVED, name=f"full{i}") for i in range(2)]
+    # One uninterrupted run: the checkpointed pair must equal it (tests/multiproc/test_hotswap.py
+    # compares further interleaved runs with theirs, through a failure).
+    full = run_job(tmp, 4, SHAPE_INTERLEAVED, name="full")
     first = run_job(tmp, 4, [*SHAPE_INTERLEAVED, "--save", str(ckpt), "--exit-interval", "5"],
                     name="first")  # fmt: skip
     resumed = run_job(tmp, 4, [*SHAPE_INTERLEAVED, "--load", str(ckpt)], name="resumed")
@@ -59,15 +61,15 @@ def test_spare_registers_idles_and_exits_when_the_job_ends(runs_3d):
     assert "8 worker(s) on node 0 succeeded" in out
 
 
-def test_interleaved_schedule_is_deterministic_and_learns(runs_interleaved):
-    (a, b), _, _ = runs_interleaved
+def test_interleaved_schedule_learns(runs_interleaved):
+    a, _, _ = runs_interleaved
     assert a.returncode == 0, a.failure()
-    assert a.losses == b.losses and a.digest == b.digest
+    assert sorted(a.losses) == list(range(1, 13))
     assert _loss(a, 12) < _loss(a, 1) - 0.5
 
 
 def test_resume_from_checkpoint_is_bitwise_identical(runs_interleaved):
-    (a, _), first, resumed = runs_interleaved
+    a, first, resumed = runs_interleaved
     assert first.returncode == 0, first.failure()
     assert resumed.returncode == 0, resumed.failure()
     assert "loaded checkpoint of iteration 5" in resumed.output
