@@ -12,11 +12,19 @@ Per job: the time from the launch to the first iteration's end, the whole job's 
 the CPU seconds of every process the launcher started (from its own rusage of waited-for
 children), and how long the replenishing spare took from its start to its registration.
 
+Before the jobs, what the fork server (and every process started without it) imports first is
+timed in fresh interpreters, --preload-repeats times each way, alternating: megatron-core as
+it comes (its fused kernels wrapped in torch.compile as it loads, which imports Inductor's
+compiler) and with torch.compile deferred to each kernel's first call
+(deadpool_megatron/megatron/core_import.py, what the processes do); both with TorchDynamo and
+our worker module.
+
     python scripts/bench_startup.py                  # 8 workers + 1 spare, 3 repeats
     python scripts/bench_startup.py --nproc 4 --repeats 2
 
 The last line printed is one JSON object: {"first_iteration_s": {"fork": .., "spawn": ..},
-"speedup_first_iteration", "job_cpu_s", "spare_ready_s", "wall_s", ...}; it also writes
+"speedup_first_iteration", "job_cpu_s", "spare_ready_s", "wall_s",
+"preload_s": {"eager": .., "deferred": ..}, ...}; it also writes
 runs/bench_startup.json.
 """
 
@@ -39,6 +47,13 @@ from results_path import results_file  # noqa: E402 (this folder, as a script)
 from deadpool_megatron.events import read_events  # noqa: E402
 
 MODES = ("fork", "spawn")
+PRELOADS = {
+    "eager": "import torch, megatron.core, torch._dynamo, deadpool_megatron.process.worker",
+    "deferred": "import torch\n"
+    "from deadpool_megatron.megatron.core_import import import_megatron_core\n"
+    "import_megatron_core()\n"
+    "import deadpool_megatron.process.worker",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,12 +65,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "its own interpreter to register before the end)")  # fmt: skip
     p.add_argument("--kill-spare-at", type=int, default=3,
                    help="iteration at which spare 0 is killed (default 3; 0: never)")  # fmt: skip
+    p.add_argument("--preload-repeats", type=int, default=5,
+                   help="fresh interpreters per way of importing (default 5; 0: none)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_startup.json"), type=results_file)
     a = p.parse_args(argv)
     if a.nproc not in (4, 8):
         p.error(f"--nproc {a.nproc}: 4 (TP2 x PP2) or 8 (TP2 x PP2 x DP2)")
     if a.repeats < 1:
         p.error(f"--repeats {a.repeats} must be at least 1")
+    if a.preload_repeats < 0:
+        p.error(f"--preload-repeats {a.preload_repeats} must be 0 or more")
     if not 0 <= a.kill_spare_at < a.iters:
         p.error(f"--kill-spare-at {a.kill_spare_at} must lie in [0, --iters {a.iters} - 1]")
     return a
@@ -98,6 +117,14 @@ def job(a: argparse.Namespace, mode: str, workdir: Path) -> dict:
     return out
 
 
+def preload_s(way: str) -> float:
+    """Seconds a fresh interpreter takes to import what a process of the job imports first."""
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", PRELOADS[way]], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)  # fmt: skip
+    return time.perf_counter() - start
+
+
 def median(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return round(statistics.median(values), 3) if values else None
@@ -106,6 +133,14 @@ def median(values: list) -> float | None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     work = Path(a.out).with_suffix("")
+    preloads: dict[str, list[float]] = {w: [] for w in PRELOADS}
+    for i in range(a.preload_repeats):
+        for way in PRELOADS if i % 2 == 0 else list(PRELOADS)[::-1]:
+            preloads[way].append(preload_s(way))
+    if a.preload_repeats:
+        print("importing torch, megatron-core, Dynamo and the worker in a fresh interpreter: "
+              + ", ".join(f"{w} {median(v):.2f} s" for w, v in preloads.items())
+              + f" (medians of {a.preload_repeats})", flush=True)  # fmt: skip
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for i in range(a.repeats):
         for mode in MODES if i % 2 == 0 else MODES[::-1]:
@@ -122,6 +157,8 @@ def main(argv=None) -> int:
     }
     fork, spawn = summary["first_iteration_s"]["fork"], summary["first_iteration_s"]["spawn"]
     summary["speedup_first_iteration"] = round(spawn / fork, 2)
+    summary["preload_s"] = {w: median(v) for w, v in preloads.items()}
+    summary["preload_runs_s"] = {w: [round(x, 3) for x in v] for w, v in preloads.items()}
     summary["bitwise_equal"] = len(digests) == 1
     summary["processes"] = a.nproc + 1
     summary["repeats"] = a.repeats

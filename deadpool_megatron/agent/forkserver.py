@@ -95,6 +95,10 @@ def preload(modules: list[str]) -> list[str]:
     done = []
     for name in modules:
         try:
+            if name == "megatron.core":  # with torch.compile deferred (see there)
+                from deadpool_megatron.megatron.core_import import import_megatron_core
+
+                import_megatron_core()
             importlib.import_module(name)
             done.append(name)
         except Exception as err:  # noqa: BLE001  (a script need not use every preload)

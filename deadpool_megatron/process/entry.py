@@ -34,6 +34,9 @@ def run_process(
         write_preflight(cfg)
         return 0
     setup_logging("" if env.under_launcher else f"rank {env.rank}")
+    from ..megatron.core_import import import_megatron_core
+
+    import_megatron_core()  # first: whatever imports it next finds it loaded (see there)
     if env.role == ROLE_SPARE:
         from .spare import run_spare
 
