@@ -46,15 +46,12 @@ def keep_or_build(
     state = None
     if kept is not None:
         try:
-            why_not = unreplayable(kept.state.build_calls) if plan_builds else None
-            if why_not:
-                raise CannotRebind(f"another rank builds, and {why_not}")
             swapped = rebind(kept.state, roles)
             state = kept.state
         except CannotRebind as why:
             log.warning("building the model again: %s", why)
     others_build = plan_builds or anyone_builds_here(state is None, host)
-    if state is not None and others_build and not plan_builds:
+    if state is not None and others_build:
         why_not = unreplayable(state.build_calls)
         if why_not:  # building performs what a replay would have: the others meet it the same
             log.warning("building the model again: another rank builds, and %s", why_not)
