@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from etcd_server import etcd_binary, free_port  # noqa: E402
+from waiting import STORE_CONNECT_S  # noqa: E402
 
 from deadpool_megatron.control.etcd_store import EtcdKVStore  # noqa: E402
 from deadpool_megatron.control.store import StoreUnreachable  # noqa: E402
@@ -22,7 +23,7 @@ from deadpool_megatron.control.tcp_store import TcpKVStore  # noqa: E402
 @pytest.fixture
 def kv() -> Iterator[TcpKVStore]:
     """A real TCPStore hosted in the test process: the in-process store of unit tests."""
-    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=5)
+    store = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=STORE_CONNECT_S)
     yield store
     store.close()
 

@@ -1,9 +1,17 @@
-"""Polling for a condition in tests that watch threads or sockets settle."""
+"""Polling for a condition in tests that watch threads or sockets settle, and how long a test
+waits for a store connection."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+
+# How long a test's TCPStore client (or host: it connects to itself) may take to connect. torch
+# names the address of every connection it makes or accepts by a reverse lookup (getnameinfo)
+# of the v4-mapped "::ffff:127.0.0.1", which /etc/hosts cannot answer, so it goes to DNS; where
+# the resolver drops the query (about 1 in 50 here) glibc waits its 5 s timeout and asks again.
+# The product's clients wait 30 s (control/connect.py); 5 s failed the suite twice.
+STORE_CONNECT_S = 30.0
 
 
 def until(what: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.005) -> bool:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from etcd_server import free_port, start_etcd_cluster
+from waiting import STORE_CONNECT_S
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.etcd_store import EtcdKVStore
@@ -37,7 +38,7 @@ RACERS = 8
 
 @pytest.fixture(scope="session")
 def tcp_host() -> Iterator[TcpKVStore]:
-    host = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=10)
+    host = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=STORE_CONNECT_S)
     yield host
     host.close()
 
@@ -47,7 +48,7 @@ def connect(request) -> Connect:
     """Opens a new client of the backend (one per racer, as separate processes would)."""
     if request.param == "tcp":
         port = request.getfixturevalue("tcp_host").port
-        return lambda: TcpKVStore("127.0.0.1", port, timeout_s=10)
+        return lambda: TcpKVStore("127.0.0.1", port, timeout_s=STORE_CONNECT_S)
     url = request.getfixturevalue("etcd_url")
     return lambda: EtcdKVStore(url, timeout_s=5)
 
@@ -183,9 +184,9 @@ def test_unreachable_tcp_store_names_its_endpoint():
 
 
 def test_tcp_store_that_goes_away_is_reported_unreachable():
-    host = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=2)
+    host = TcpKVStore("127.0.0.1", 0, is_master=True, timeout_s=STORE_CONNECT_S)
     port = host.port
-    client = TcpKVStore("127.0.0.1", port, timeout_s=2)
+    client = TcpKVStore("127.0.0.1", port, timeout_s=STORE_CONNECT_S)
     client.set("k", b"v")
     host.close()
     with pytest.raises(StoreUnreachable, match=f"127.0.0.1:{port}"):
