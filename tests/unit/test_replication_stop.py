@@ -13,6 +13,7 @@ import threading
 import torch
 from waiting import until
 
+from deadpool_megatron.checkpoint import replicator
 from deadpool_megatron.checkpoint.layout import Entry, StateLayout
 from deadpool_megatron.checkpoint.pipeline import ProtectionPipeline
 from deadpool_megatron.checkpoint.replicator import FLAG_DATA, HEADER
@@ -86,10 +87,59 @@ def test_a_receive_that_can_never_end_does_not_hold_the_stop(caplog):
             pipeline.abort(timeout=600.0)  # the stop's own limit: not waited out
         assert not transport.released.is_set()  # returned while the receive still waits
         assert "left the replication thread behind" in caplog.text
-        assert "_receive_one" in caplog.text  # and says where it waits
+        assert "_exchange_payloads" in caplog.text  # and says where it waits
         pair = pipeline.replicator.replicas[0]
         assert pair.iterations() == []  # the slot being written is no holding
         assert sum(s.busy for s in pair.slots) == 1
     finally:
         transport.released.set()
     assert until(lambda: pipeline.replicator.where() == "ended", 30)  # once its receive ends
+
+
+class SlowParts(Transport):
+    """Predecessor 0 announces a replica of iteration 5 whose payload comes in parts; the
+    second part arrives only when the test lets it."""
+
+    def __init__(self):
+        self.parts: list[int] = []  # the sizes of the payload parts posted
+        self.second_posted, self.released = threading.Event(), threading.Event()
+
+    def isend(self, tensor, dst):
+        return Done()
+
+    def irecv(self, tensor, src):
+        if tensor.numel() == HEADER.size:
+            tensor.copy_(torch.frombuffer(bytearray(HEADER.pack(FLAG_DATA, 5, 0, NBYTES, 0)),
+                                          dtype=torch.uint8))  # fmt: skip
+            return Done()
+        self.parts.append(tensor.numel())
+        if len(self.parts) == 2:
+            self.second_posted.set()
+            return Released(self.released)
+        return Done()
+
+
+class Released:
+    def __init__(self, released: threading.Event):
+        self._released = released
+
+    def wait(self, timeout=None):
+        self._released.wait()
+        return True
+
+
+def test_an_abort_ends_a_payload_at_its_next_part(monkeypatch):
+    monkeypatch.setattr(replicator, "CHUNK_BYTES", 1000)  # 4096 bytes: parts of 1000, ..., 96
+    transport = SlowParts()
+    pipeline = ProtectionPipeline(OneTensor(), transport, successors=[], predecessors=[0],
+                                  replica_nbytes={0: NBYTES}, use_cuda=False)  # fmt: skip
+    assert transport.second_posted.wait(30)
+    aborting = threading.Thread(target=pipeline.abort, kwargs={"timeout": 30.0})
+    aborting.start()
+    assert until(lambda: pipeline.replicator._aborted, 10)
+    transport.released.set()  # the part in flight ends normally
+    aborting.join(30)
+    assert pipeline.stopped
+    assert transport.parts == [1000, 1000]  # none posted after the abort
+    pair = pipeline.replicator.replicas[0]
+    assert pair.iterations() == [] and not any(s.busy for s in pair.slots)  # never committed
