@@ -293,17 +293,19 @@ class RingReplicator:
         abort ends the exchange at the next part (a message gloo was cut in the middle of can
         leave its send or receive waiting until the group's timeout; one part at a time is
         less to be cut in, and less to wait for). Every rank posts its n-th parts only after
-        its (n-1)-th completed, which only needs its neighbours' (n-1)-th: no cycle."""
+        its (n-1)-th completed, which only needs its neighbours' (n-1)-th: no cycle. Receives
+        are waited for first: one from a predecessor that died raises at once (its connection
+        is reset), where a send to it can wait out the group's timeout."""
         out = _parts(outgoing)
         ins = [(m.src, _parts(m.slot.buffer)) for m in incoming]
         for i in range(max([len(out), *(len(parts) for _, parts in ins)])):
             if i:
                 self._unless_aborted()
-            works = [self.transport.isend(out[i], dst) for dst in self.successors
+            sends = [self.transport.isend(out[i], dst) for dst in self.successors
                      if i < len(out)]  # fmt: skip
-            works += [self.transport.irecv(parts[i], src) for src, parts in ins
-                      if i < len(parts)]  # fmt: skip
-            for work in works:
+            receives = [self.transport.irecv(parts[i], src) for src, parts in ins
+                        if i < len(parts)]  # fmt: skip
+            for work in receives + sends:
                 work.wait()
 
     def _commit(self, message: _Incoming) -> None:
