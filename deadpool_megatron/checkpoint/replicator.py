@@ -4,7 +4,8 @@ and keep verified replicas of its K predecessors' shards.
 One background thread per rank runs rounds. In a round it sends the newest committed snapshot
 it has not sent yet to every successor, and receives one message from every predecessor.
 Messages on one edge arrive in order; a message is a fixed-size header, the metadata and the
-optimizer part of the snapshot. A replica is committed only when complete and its xxh3
+optimizer part of the snapshot, the last in parts of CHUNK_BYTES exchanged in step with the
+neighbours' (`_exchange_payloads`). A replica is committed only when complete and its xxh3
 checksum matches; otherwise the previous replica stays and the failure is reported.
 Training never waits on this thread: while a slot is being sent, newer snapshots go to the
 other slot, superseding each other (the lag is tracked). Termination is agreed, not local:
@@ -305,7 +306,9 @@ class RingReplicator:
                      if i < len(out)]  # fmt: skip
             receives = [self.transport.irecv(parts[i], src) for src, parts in ins
                         if i < len(parts)]  # fmt: skip
-            for work in receives + sends:
+            for work in receives:
+                work.wait()
+            for work in sends:
                 work.wait()
 
     def _commit(self, message: _Incoming) -> None:
