@@ -42,10 +42,11 @@ class ReplicationAborted(DeadpoolError):
 HEADER = struct.Struct("<qqqqQ")  # flags, iteration, meta length, payload length, checksum
 FLAG_DATA = 1
 FLAG_STOP = 2
-# A payload goes in parts of this size (`RingReplicator._exchange_payloads`). Measured with two
-# gloo processes sending 64 MiB without pause and both aborting (tmp experiment, 2026-12-03):
-# one 64 MiB message left the receive waiting in 9 of 10 rounds, 4 MiB parts in 2 of 30; a
-# send to a SIGKILLed receiver stayed waiting in 5 of 6 runs, with parts in 1 of 6.
+# A payload goes in parts of this size (`RingReplicator._exchange_payloads`): gloo can leave a
+# transfer cut mid-message waiting until the group's timeout, and a recovery's stop then
+# leaves this thread behind. scripts/bench_replica_abort.py (64 MiB without pause, then a
+# kill or both aborting): left behind after 11 of 20 kills in one message, 5 of 20 in parts;
+# 14 of 40 and 9 of 40 when both abort.
 CHUNK_BYTES = 4 << 20
 
 
