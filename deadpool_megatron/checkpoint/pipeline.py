@@ -29,10 +29,10 @@ log = logging.getLogger("deadpool.pipeline")
 
 MiB = 1024 * 1024
 # After the communicators' abort the replication thread's waits end within milliseconds (a
-# payload goes in parts of 4 MiB, and the thread stops at the next part: 0-4 ms in
+# payload goes in parts of 4 MiB, and the thread stops at the next part: within 11 ms in
 # scripts/bench_replica_abort.py), except a transfer cut in the middle of a message, which
-# gloo may wake only at the group's timeout (a part being received from a peer that died or
-# cut its connections). Seen with a 60 MB replica in one message: the stop waited its whole
+# gloo may wake only at the group's timeout (a part being received from, or sent to, a peer
+# that died or cut its connections). Seen with a 60 MB replica in one message: the stop waited its whole
 # 10 s limit in 4 of 12 jobs with a peer killed while the ring was sending. The thread is left
 # behind then: it holds only the slot it was writing or sending (never committed, or already
 # among the holdings), touches no other pair (`RingReplicator._unless_aborted`), and its
