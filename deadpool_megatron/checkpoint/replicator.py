@@ -179,7 +179,7 @@ class RingReplicator:
         open_preds = list(self.predecessors)
         try:
             while (self.successors and not sent_stop) or open_preds:
-                held, cpu, outgoing = None, time.thread_time(), None
+                held, cpu, outgoing, sends = None, time.thread_time(), None, []
                 try:
                     if self.successors and not sent_stop:
                         held, sent_stop = self._next_to_send(last_sent)
@@ -190,8 +190,6 @@ class RingReplicator:
                         outgoing, sends = self._post_headers(held, sent_stop, flip)
                         if held is not None:
                             last_sent = held.iteration
-                    else:
-                        sends = []
                     incoming = self._receive(outgoing, sends, open_preds)
                     if held is not None:
                         self.stats.send_s.append(time.perf_counter() - posted)

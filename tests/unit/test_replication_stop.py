@@ -60,11 +60,9 @@ class Pending:
         raise RuntimeError("Connection closed by peer (released by the test)")
 
 
-class MidMessage(Transport):
-    """Predecessor 0 announces a replica of iteration 5; its payload never arrives."""
-
-    def __init__(self):
-        self.released, self.payload_posted = threading.Event(), threading.Event()
+class Announced(Transport):
+    """Predecessor 0 announces a replica of iteration 5; `payload` answers the receives of its
+    payload (or of its parts)."""
 
     def isend(self, tensor, dst):
         return Done()
@@ -74,6 +72,19 @@ class MidMessage(Transport):
             tensor.copy_(torch.frombuffer(bytearray(HEADER.pack(FLAG_DATA, 5, 0, NBYTES, 0)),
                                           dtype=torch.uint8))  # fmt: skip
             return Done()
+        return self.payload(tensor)
+
+    def payload(self, tensor):
+        raise NotImplementedError
+
+
+class MidMessage(Announced):
+    """The payload never arrives."""
+
+    def __init__(self):
+        self.released, self.payload_posted = threading.Event(), threading.Event()
+
+    def payload(self, tensor):
         return Pending(self.released, self.payload_posted)
 
 
@@ -96,22 +107,14 @@ def test_a_receive_that_can_never_end_does_not_hold_the_stop(caplog):
     assert until(lambda: pipeline.replicator.where() == "ended", 30)  # once its receive ends
 
 
-class SlowParts(Transport):
-    """Predecessor 0 announces a replica of iteration 5 whose payload comes in parts; the
-    second part arrives only when the test lets it."""
+class SlowParts(Announced):
+    """The payload comes in parts; the second arrives only when the test lets it."""
 
     def __init__(self):
         self.parts: list[int] = []  # the sizes of the payload parts posted
         self.second_posted, self.released = threading.Event(), threading.Event()
 
-    def isend(self, tensor, dst):
-        return Done()
-
-    def irecv(self, tensor, src):
-        if tensor.numel() == HEADER.size:
-            tensor.copy_(torch.frombuffer(bytearray(HEADER.pack(FLAG_DATA, 5, 0, NBYTES, 0)),
-                                          dtype=torch.uint8))  # fmt: skip
-            return Done()
+    def payload(self, tensor):
         self.parts.append(tensor.numel())
         if len(self.parts) == 2:
             self.second_posted.set()
