@@ -5,15 +5,16 @@ gloo can leave a send or receive that a failure cut in the middle of its message
 the group's timeout; the replication thread waiting on it is then left behind by the
 recovery's stop (`ProtectionPipeline.abort`, after REPLICATION_STOP_S), holding a slot pair
 that the recovery must allocate anew. The replicator sends a payload in parts of
-`replicator.CHUNK_BYTES` (4 MiB) and waits for each part's receives before its sends. This
+`replicator.CHUNK_BYTES` (4 MiB), `replicator.WINDOW_PARTS` (1) in flight each way. This
 runs two processes that replicate a shard to each other without pause (the real pipeline on
 real gloo ring groups), then kills one of them (`kill`: rank 0 and rank 1 by turns; each is
 the other's successor and predecessor) or has both abort 0-50 ms apart (`both`); the
 survivors abort as a recovery does (cut the connections, then stop the pipeline) and report
-whether the replication thread stopped within the limit. Each round runs once with the
-payload in one message and once in parts, alternating, with the same timing. Prints a table
-and, last, one JSON object: {"mib", "rounds", "chunk_bytes", "left_behind": {mode: {"one
-message": n, "parts": n}}, "processes": {mode: n}}.
+whether the replication thread stopped within the limit. Each round runs once per variant,
+in turn, with the same timing: the payload in one message, in parts one at a time, and in
+parts two in flight each way. Prints a table and, last, one JSON object:
+{"mib", "rounds", "chunk_bytes", "window_parts", "left_behind": {mode: {variant: n}},
+"processes": {mode: n}}.
 
     python scripts/bench_replica_abort.py                 # 64 MiB, 20 rounds per mode
     python scripts/bench_replica_abort.py --rounds 3 --mib 16
@@ -50,13 +51,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def one_round(chunk: int, mode: str, mib: int, seed: int) -> list[dict]:
+def one_round(chunk: int, window: int, mode: str, mib: int, seed: int) -> list[dict]:
     """Both processes of one round; the JSON of each survivor."""
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
-        procs = [subprocess.Popen([sys.executable, str(DRIVER), str(rank), store, str(chunk), mode,
-                                   str(mib), str(seed)], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        procs = [subprocess.Popen([sys.executable, str(DRIVER), str(rank), store, str(chunk),
+                                   str(window), mode, str(mib), str(seed)], cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for rank in range(2)]  # fmt: skip
         outs = []
         for proc in procs:
@@ -70,29 +71,29 @@ def one_round(chunk: int, mode: str, mib: int, seed: int) -> list[dict]:
 
 
 def main(argv=None) -> dict:
-    from deadpool_megatron.checkpoint.replicator import CHUNK_BYTES
+    from deadpool_megatron.checkpoint.replicator import CHUNK_BYTES, WINDOW_PARTS
 
     a = parse_args(argv)
-    variants = {"one message": ONE_MESSAGE, "parts": CHUNK_BYTES}
+    variants = {"one message": (ONE_MESSAGE, 1), "parts one at a time": (CHUNK_BYTES, 1),
+                "parts, two in flight": (CHUNK_BYTES, 2)}  # fmt: skip
     left = {m: dict.fromkeys(variants, 0) for m in a.mode_list}
     survivors = {m: 0 for m in a.mode_list}
     for mode in a.mode_list:
         for r in range(a.rounds):
-            for name, chunk in variants.items():
-                outs = one_round(chunk, mode, a.mib, seed=r)
+            for name, (chunk, window) in variants.items():
+                outs = one_round(chunk, window, mode, a.mib, seed=r)
                 left[mode][name] += sum(not o["stopped"] for o in outs)
-                if name == "parts":
-                    survivors[mode] += len(outs)
                 print(f"{mode} round {r + 1}/{a.rounds} {name}: "
                       + ", ".join(f"rank {o['rank']} {'stopped' if o['stopped'] else 'LEFT BEHIND'}"
                                   f" in {o['stop_s']:.3f} s" for o in outs), flush=True)  # fmt: skip
+            survivors[mode] += len(outs)  # the same number in every variant
     print(f"\n{a.mib} MiB replicated without pause, {a.rounds} rounds per mode; replication "
           f"threads left behind (of the survivors' threads):")  # fmt: skip
     for mode in a.mode_list:
         print(f"  {mode:17s} " + "   ".join(f"{name}: {left[mode][name]} of {survivors[mode]}"
                                             for name in variants))  # fmt: skip
-    result = {"mib": a.mib, "rounds": a.rounds, "chunk_bytes": CHUNK_BYTES, "left_behind": left,
-              "processes": survivors}  # fmt: skip
+    result = {"mib": a.mib, "rounds": a.rounds, "chunk_bytes": CHUNK_BYTES,
+              "window_parts": WINDOW_PARTS, "left_behind": left, "processes": survivors}  # fmt: skip
     print(json.dumps(result), flush=True)
     return result
 

@@ -4,7 +4,7 @@ lags, so a transfer is always under way), until one of
 them is SIGKILLed or both abort as a recovery does; the survivor(s) print, as JSON, whether
 the replication thread stopped within the pipeline's stop limit.
 
-usage: replica_abort_driver.py RANK STORE_FILE CHUNK_BYTES MODE MIB SEED
+usage: replica_abort_driver.py RANK STORE_FILE CHUNK_BYTES WINDOW_PARTS MODE MIB SEED
   MODE: kill (the rank SEED % 2 dies: the other one's sole successor and predecessor),
   both (both abort, rank 1 up to 50 ms after rank 0)
 """
@@ -49,9 +49,10 @@ class Shard:
         return b"{}"
 
 
-def main(rank: int, store_file: str, chunk: int, mode: str, mib: int, seed: int) -> None:
+def main(rank: int, store_file: str, chunk: int, window: int, mode: str, mib: int,
+         seed: int) -> None:  # fmt: skip
     logging.basicConfig(level=logging.CRITICAL)  # the lag and the stop are expected here
-    replicator.CHUNK_BYTES = chunk
+    replicator.CHUNK_BYTES, replicator.WINDOW_PARTS = chunk, window
     dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank,
                             world_size=2)  # fmt: skip
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
@@ -77,7 +78,8 @@ def main(rank: int, store_file: str, chunk: int, mode: str, mib: int, seed: int)
     start = time.monotonic()
     pipeline.abort(timeout=30.0)
     stopped = pipeline.replicator.stopped
-    print(json.dumps({"rank": rank, "mode": mode, "chunk": chunk, "stopped": stopped,
+    print(json.dumps({"rank": rank, "mode": mode, "chunk": chunk, "window": window,
+                      "stopped": stopped,
                       "stop_s": round(time.monotonic() - start, 3),
                       "limit_s": pipeline_module.REPLICATION_STOP_S,
                       "replicated": pipeline.replicator.stats.received,
@@ -86,5 +88,5 @@ def main(rank: int, store_file: str, chunk: int, mode: str, mib: int, seed: int)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
-         int(sys.argv[6]))  # fmt: skip
+    main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
+         int(sys.argv[6]), int(sys.argv[7]))  # fmt: skip

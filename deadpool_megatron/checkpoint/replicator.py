@@ -48,6 +48,12 @@ FLAG_STOP = 2
 # kill or both aborting): left behind after 11 of 20 kills in one message, 5 of 20 in parts;
 # 14 of 40 and 9 of 40 when both abort.
 CHUNK_BYTES = 4 << 20
+# Parts in flight each way. One at a time stalls the link at every part while the thread
+# waits for a core busy with training; two in flight (bench_overhead, back to back, 2 runs
+# each): replication 159/148 -> 103/112 ms of wall time per iteration, off the training
+# thread's path, but the thread left behind after 8 of 20 kills against 3 of 20
+# (bench_replica_abort: a second part in flight is a second one to be cut in).
+WINDOW_PARTS = 1
 
 
 @dataclass
@@ -289,26 +295,28 @@ class RingReplicator:
 
     def _exchange_payloads(self, outgoing: torch.Tensor | None, incoming: list[_Incoming]) -> None:
         """Send the payload to every successor and receive every predecessor's, in parts of
-        at most CHUNK_BYTES, each part posted both ways and waited for before the next: an
-        abort ends the exchange at the next part (a message gloo was cut in the middle of can
-        leave its send or receive waiting until the group's timeout; one part at a time is
-        less to be cut in, and less to wait for). Every rank posts its n-th parts only after
-        its (n-1)-th completed, which only needs its neighbours' (n-1)-th: no cycle. Receives
-        are waited for first: one from a predecessor that died raises at once (its connection
-        is reset), where a send to it can wait out the group's timeout."""
+        at most CHUNK_BYTES, at most WINDOW_PARTS of them in flight each way: an abort ends
+        the exchange at the next part (a message gloo was cut in the middle of can leave its
+        send or receive waiting until the group's timeout; a part at a time is less to be cut
+        in, and less to wait for). Every rank posts its n-th parts only after its
+        (n-WINDOW_PARTS)-th completed, which only needs its neighbours' to be posted: no
+        cycle. Receives are waited for first: one from a predecessor that died raises at once
+        (its connection is reset), where a send to it can wait out the group's timeout."""
         out = _parts(outgoing)
         ins = [(m.src, _parts(m.slot.buffer)) for m in incoming]
+        in_flight: deque[list] = deque()
         for i in range(max([len(out), *(len(parts) for _, parts in ins)])):
             if i:
                 self._unless_aborted()
-            sends = [self.transport.isend(out[i], dst) for dst in self.successors
-                     if i < len(out)]  # fmt: skip
             receives = [self.transport.irecv(parts[i], src) for src, parts in ins
                         if i < len(parts)]  # fmt: skip
-            for work in receives:
-                work.wait()
-            for work in sends:
-                work.wait()
+            sends = [self.transport.isend(out[i], dst) for dst in self.successors
+                     if i < len(out)]  # fmt: skip
+            in_flight.append(receives + sends)
+            if len(in_flight) == WINDOW_PARTS:
+                _wait_all(in_flight.popleft())
+        while in_flight:
+            _wait_all(in_flight.popleft())
 
     def _commit(self, message: _Incoming) -> None:
         if message.slot is None:
@@ -338,6 +346,11 @@ class _Incoming:
     meta: bytes
     digest: int
     slot: Slot | None = None
+
+
+def _wait_all(works: list) -> None:
+    for work in works:
+        work.wait()
 
 
 def _parts(payload: torch.Tensor | None) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import pytest
 import torch
 from waiting import until
 
@@ -112,14 +113,11 @@ class SlowParts(Announced):
 
     def __init__(self):
         self.parts: list[int] = []  # the sizes of the payload parts posted
-        self.second_posted, self.released = threading.Event(), threading.Event()
+        self.released = threading.Event()
 
     def payload(self, tensor):
         self.parts.append(tensor.numel())
-        if len(self.parts) == 2:
-            self.second_posted.set()
-            return Released(self.released)
-        return Done()
+        return Released(self.released) if len(self.parts) == 2 else Done()
 
 
 class Released:
@@ -131,18 +129,22 @@ class Released:
         return True
 
 
-def test_an_abort_ends_a_payload_at_its_next_part(monkeypatch):
+@pytest.mark.parametrize("window", [1, 2])
+def test_an_abort_ends_a_payload_at_its_next_part(monkeypatch, window):
     monkeypatch.setattr(replicator, "CHUNK_BYTES", 1000)  # 4096 bytes: parts of 1000, ..., 96
+    monkeypatch.setattr(replicator, "WINDOW_PARTS", window)
     transport = SlowParts()
     pipeline = ProtectionPipeline(OneTensor(), transport, successors=[], predecessors=[0],
                                   replica_nbytes={0: NBYTES}, use_cuda=False)  # fmt: skip
-    assert transport.second_posted.wait(30)
+    # The thread waits for the second part with the window's next parts posted.
+    posted = [1000] * (1 + window)
+    assert until(lambda: transport.parts == posted, 30)
     aborting = threading.Thread(target=pipeline.abort, kwargs={"timeout": 30.0})
     aborting.start()
     assert until(lambda: pipeline.replicator._aborted, 10)
     transport.released.set()  # the part in flight ends normally
     aborting.join(30)
     assert pipeline.stopped
-    assert transport.parts == [1000, 1000]  # none posted after the abort
+    assert transport.parts == posted  # none posted after the abort
     pair = pipeline.replicator.replicas[0]
     assert pair.iterations() == [] and not any(s.busy for s in pair.slots)  # never committed
