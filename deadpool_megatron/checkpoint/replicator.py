@@ -304,7 +304,7 @@ class RingReplicator:
         (its connection is reset), where a send to it can wait out the group's timeout."""
         out = _parts(outgoing)
         ins = [(m.src, _parts(m.slot.buffer)) for m in incoming]
-        in_flight: deque[list] = deque()
+        in_flight: deque[tuple[list, list]] = deque()
         for i in range(max([len(out), *(len(parts) for _, parts in ins)])):
             if i:
                 self._unless_aborted()
@@ -312,11 +312,11 @@ class RingReplicator:
                         if i < len(parts)]  # fmt: skip
             sends = [self.transport.isend(out[i], dst) for dst in self.successors
                      if i < len(out)]  # fmt: skip
-            in_flight.append(receives + sends)
+            in_flight.append((receives, sends))
             if len(in_flight) == WINDOW_PARTS:
-                _wait_all(in_flight.popleft())
+                _wait_part(*in_flight.popleft())
         while in_flight:
-            _wait_all(in_flight.popleft())
+            _wait_part(*in_flight.popleft())
 
     def _commit(self, message: _Incoming) -> None:
         if message.slot is None:
@@ -348,8 +348,11 @@ class _Incoming:
     slot: Slot | None = None
 
 
-def _wait_all(works: list) -> None:
-    for work in works:
+def _wait_part(receives: list, sends: list) -> None:
+    """Receives first (see `_exchange_payloads`); a stuck one's line tells which it is."""
+    for work in receives:
+        work.wait()
+    for work in sends:
         work.wait()
 
 
