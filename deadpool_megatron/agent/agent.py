@@ -53,6 +53,7 @@ from ..failure.classify import describe
 from ..failure.evidence import HealthCheckFailed, ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
 from ..recovery.coordinator import Coordinator
+from ..recovery.placement import spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
@@ -170,7 +171,7 @@ class Agent:
                 self.children.spawn(ROLE_WORKER, rank, local, env, self.extra_args)
         count = a.nproc_per_node if self.spare_node else a.spares
         for s in range(count):
-            local = s if self.spare_node else a.nproc_per_node + s
+            local = spare_local_rank(s, a.nproc_per_node, self.spare_node)
             self.children.spawn(ROLE_SPARE, self.spare_index(s), local, env, self.extra_args)
         if self.spare_node:
             log.info("job %s: spare node %d: %d spare(s) started", self.job_id, self.node, count)

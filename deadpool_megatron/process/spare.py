@@ -104,16 +104,14 @@ def spare_prebuilds(cfg, env: ProcessEnv, client: ControlClient) -> SparePrebuil
     if not count:
         return None
     from ..megatron.prebuild import prebuild
-    from ..recovery.placement import fitting_ranks, prebuild_targets
+    from ..recovery.placement import fitting_ranks, prebuild_targets, spare_slot
     from ..topology import Topology
 
     p = cfg.parallel
     topo = Topology(env.world_size, p.tensor_model_parallel_size,
                     p.pipeline_model_parallel_size, env.local_world_size)  # fmt: skip
     distopt = p.use_distributed_optimizer
-    # The launcher starts a worker node's spares after its workers, a spare node's from 0.
-    local, per_node = env.local_rank, env.local_world_size
-    slot = local - per_node if local >= per_node else local
+    slot = spare_slot(env.local_rank, env.local_world_size)
     return SparePrebuilds(
         prebuild_targets(topo, env.node, slot, count, distopt),
         build=lambda rank: prebuild(cfg, rank, env.world_size),

@@ -100,6 +100,18 @@ def fitting_ranks(topo: Topology, rank: int, distributed_optimizer: bool) -> tup
                  if _fit_key(topo, r, distributed_optimizer) == key)  # fmt: skip
 
 
+def spare_local_rank(slot: int, per_node: int, spare_node: bool) -> int:
+    """The local rank (device) of a node's spare in `slot`, as the launcher starts them: a
+    worker node's after its `per_node` workers, a spare node's from 0."""
+    return slot if spare_node else per_node + slot
+
+
+def spare_slot(local_rank: int, per_node: int) -> int:
+    """The slot among its node's spares of the spare at `local_rank` (the inverse of
+    `spare_local_rank`); a fresh spare started in a lost worker's place takes that worker's."""
+    return local_rank - per_node if local_rank >= per_node else local_rank
+
+
 def prebuild_targets(
     topo: Topology, node: int, slot: int, count: int, distributed_optimizer: bool
 ) -> list[int]:

@@ -20,7 +20,13 @@ from deadpool_megatron.megatron.arguments import parse_job_args
 from deadpool_megatron.megatron.prebuild import Prebuilt
 from deadpool_megatron.process.prebuilds import SparePrebuilds
 from deadpool_megatron.process.spare import spare_prebuilds
-from deadpool_megatron.recovery.placement import fitting_ranks, order_spares, prebuild_targets
+from deadpool_megatron.recovery.placement import (
+    fitting_ranks,
+    order_spares,
+    prebuild_targets,
+    spare_local_rank,
+    spare_slot,
+)
 from deadpool_megatron.recovery.stages import ProcessRecovery, anyone_builds
 from deadpool_megatron.runtime import ProcessEnv
 from deadpool_megatron.topology import Topology
@@ -79,6 +85,14 @@ def test_spares_build_for_the_ranks_they_would_be_seated_on(
     topo, node, slot, count, distopt, expected
 ):
     assert prebuild_targets(topo, node, slot, count, distopt) == expected
+
+
+@pytest.mark.parametrize(("spare_node", "local_ranks"), [(False, [4, 5]), (True, [0, 1])])
+def test_a_spare_finds_its_slot_from_the_local_rank_the_launcher_gave_it(spare_node, local_ranks):
+    # 4 workers per node: a worker node's spares come after them, a spare node's from 0.
+    assert [spare_local_rank(s, 4, spare_node) for s in range(2)] == local_ranks
+    assert [spare_slot(r, 4) for r in local_ranks] == [0, 1]
+    assert spare_slot(2, 4) == 2  # a fresh spare in lost worker 2's place takes its slot
 
 
 SPARES = {"spare-0": 0, "spare-1": 0, "spare-2": 0}
