@@ -52,7 +52,9 @@ CHUNK_BYTES = 4 << 20
 # waits for a core busy with training; two in flight (bench_overhead, back to back, 2 runs
 # each): replication 159/148 -> 103/112 ms of wall time per iteration, off the training
 # thread's path, but the thread left behind after 8 of 20 kills against 3 of 20
-# (bench_replica_abort: a second part in flight is a second one to be cut in).
+# (bench_replica_abort: a second part in flight is a second one to be cut in). Above 1, an
+# abort between parts leaves the next ones posted into the slot it frees: safe only because a
+# recovery cuts the connections first (`RingReplicator.abort`), as the benchmark does.
 WINDOW_PARTS = 1
 
 
