@@ -14,10 +14,12 @@ import argparse
 import logging
 import os
 import signal
+import stat
 import sys
 
 from .agent.agent import RESTART, Agent
 from .agent.settings import LaunchSettings, preflight
+from .agent.zygote import ENV_FORK_ZYGOTE
 from .control.signed import ENV_JOB_SECRET, job_secret, new_secret
 from .control.store import StoreUnreachable
 from .errors import ConfigError
@@ -79,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "from this node's fork server, which imports them once. The agent "
                         "falls back to this by itself where forking is unsafe (the imports "
                         "started threads or CUDA).")  # fmt: skip
+    parser.add_argument("--fork-zygote", default=os.environ.get(ENV_FORK_ZYGOTE, ""),
+                        metavar="PATH",
+                        help="Fork this node's fork server from the zygote listening at PATH "
+                        "(python -m deadpool_megatron.agent.zygote --socket PATH, started "
+                        "once per node), which has imported torch and megatron-core already, "
+                        "so that the first child starts without waiting for those imports. "
+                        "Where it is unreachable or refuses (another interpreter, other "
+                        "preloads or import-time environment) the agent starts its own, and "
+                        f"says why. Default: ${ENV_FORK_ZYGOTE}, else none.")  # fmt: skip
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
     return parser
@@ -105,6 +116,13 @@ def validate_launch_args(a: argparse.Namespace) -> None:
             f"--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes} = {nodes} nodes, but the "
             f"Slurm allocation has {allocated}; ask for fewer or allocate more (sbatch --nodes)"
         )
+    if (
+        a.fork_zygote
+        and os.path.exists(a.fork_zygote)
+        and not stat.S_ISSOCK(os.stat(a.fork_zygote).st_mode)
+    ):
+        raise ConfigError(f"--fork-zygote={a.fork_zygote} is not a socket: give the --socket "
+                          "PATH of a running zygote (python -m deadpool_megatron.agent.zygote)")  # fmt: skip
     if not 0 <= a.master_port < 65536:
         raise ConfigError(f"--master-port={a.master_port} must lie in [0, 65535]")
     if nodes > 1 and a.master_port == 0:

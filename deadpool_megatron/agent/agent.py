@@ -89,7 +89,8 @@ class Agent:
         self.extra_args: list[str] = []  # --load DIR after a checkpoint-restart
         self.children = Children(
             Launch(args.script, tuple(args.script_args), args.master_addr, self.world_size,
-                   args.nproc_per_node, args.node_rank, fork_server=not args.no_fork_server)
+                   args.nproc_per_node, args.node_rank, fork_server=not args.no_fork_server,
+                   fork_zygote=args.fork_zygote)
         )  # fmt: skip
         self.port = args.master_port
         self.store = None

@@ -29,7 +29,7 @@ from ..runtime import (
     die_with_parent,
 )
 from .forks import ForkedProcess, ForkServer, ForkServerUnavailable
-from .forkserver import DEFAULT_PRELOAD
+from .forkserver import DEFAULT_PRELOAD, server_env
 
 log = logging.getLogger("deadpool.launch")
 
@@ -77,6 +77,7 @@ class Launch:
     node: int = 0  # this agent's node (GROUP_RANK, as torchrun names it)
     fork_server: bool = True  # fork children from a preloaded interpreter (forkserver.py)
     fork_preload: tuple[str, ...] = DEFAULT_PRELOAD  # what the fork server imports once
+    fork_zygote: str = ""  # the socket of a zygote to fork the fork server from (zygote.py)
 
 
 class Children:
@@ -94,12 +95,10 @@ class Children:
     def _fork_server(self) -> ForkServer | None:
         """The fork server, started with the first child (bad input started nothing)."""
         if self._forks is None and self._use_forks:
-            # numpy's import starts its BLAS threads unless told one, and a process with
-            # threads cannot fork; the children's torch threads follow OMP_NUM_THREADS.
-            env = {"OPENBLAS_NUM_THREADS": "1", **self._base_env()}
             folder = os.path.dirname(os.path.abspath(self.launch.script))
-            self._forks = ForkServer(env, self.launch.fork_preload,
-                                     self._printer("[fork server] "), script_folder=folder)  # fmt: skip
+            self._forks = ForkServer(server_env(os.environ), self.launch.fork_preload,
+                                     self._printer("[fork server] "), script_folder=folder,
+                                     zygote=self.launch.fork_zygote)  # fmt: skip
         return self._forks
 
     @staticmethod

@@ -16,7 +16,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..failure.procstate import process_state
 from .forkserver import DEFAULT_PRELOAD, MAX_MESSAGE, Request, decode, encode
+from .zygote import ServerRequest
 
 log = logging.getLogger("deadpool.launch")
 
@@ -184,9 +186,54 @@ class ServerLink:
         self._reader.join(timeout)
 
 
+class ZygoteServer:
+    """A fork server that a zygote forked (zygote.py): not this agent's child, so it is
+    waited for by its pid (reaped by the zygote, or by init once the zygote is gone)."""
+
+    def __init__(self, pid: int, stdout):
+        self.pid = pid
+        self.stdout = stdout
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while process_state(self.pid) not in ("dead", "zombie"):
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def server_from_zygote(path: str, server_end: socket.socket, request: ServerRequest
+                       ) -> ZygoteServer | None:  # fmt: skip
+    """Ask the zygote at `path` for a fork server on `server_end`; None (logged) when it is
+    unreachable or refuses, and the agent starts a server of its own."""
+    read_end, write_end = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            conn.settimeout(REPLY_TIMEOUT_S)
+            conn.connect(path)
+            socket.send_fds(conn, [encode(request.message())], [server_end.fileno(), write_end])
+            reply = decode(conn.recv(MAX_MESSAGE))
+    except (OSError, ValueError) as err:
+        os.close(read_end)
+        log.warning("no fork server from the zygote at %s (%s): starting one", path, err)
+        return None
+    finally:
+        os.close(write_end)
+    if "pid" not in reply:
+        os.close(read_end)
+        log.info("the zygote at %s refused a fork server (%s): starting one", path,
+                 reply.get("refused", reply))  # fmt: skip
+        return None
+    return ZygoteServer(int(reply["pid"]), os.fdopen(read_end, "rb"))
+
+
 class ForkServer:
-    """The fork server's process (started at once, importing while the agent goes on), the
-    pump of what it prints, and its `ServerLink`."""
+    """The fork server's process (started at once, importing while the agent goes on, or
+    forked ready from a zygote), the pump of what it prints, and its `ServerLink`."""
 
     def __init__(
         self,
@@ -194,17 +241,26 @@ class ForkServer:
         preload: tuple[str, ...] = DEFAULT_PRELOAD,
         output: Callable[[bytes], None] | None = None,
         script_folder: str = "",
+        zygote: str = "",
     ):
         """Start the server now (it imports while the caller goes on); the
         first spawn() waits until it is ready. `output` gets each line it prints itself;
-        `script_folder` is where the children's script lies (first on the server's path)."""
+        `script_folder` is where the children's script lies (first on the server's path);
+        `zygote`: the socket of a zygote to fork the server from, if it can."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "deadpool_megatron.agent.forkserver", str(theirs.fileno()),
-             ",".join(preload), script_folder],
-            env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        self.zygote = ""
+        self._proc: subprocess.Popen | ZygoteServer | None = None
+        if zygote:
+            request = ServerRequest(tuple(preload), script_folder, sys.executable, dict(env))
+            self._proc = server_from_zygote(zygote, theirs, request)
+            self.zygote = zygote if self._proc is not None else ""
+        if self._proc is None:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "deadpool_megatron.agent.forkserver",
+                 str(theirs.fileno()), ",".join(preload), script_folder],
+                env=env, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
         theirs.close()
         self._output = output or (lambda line: sys.stdout.buffer.write(line))
         self._pump = threading.Thread(target=self._pump_output, daemon=True)
@@ -230,7 +286,8 @@ class ForkServer:
         return self._link.spawn(Request(list(argv), dict(env), cwd or os.getcwd()))
 
     def _log_ready(self, message: dict) -> None:
-        log.info("fork server ready (pid %d, preloaded %s)", self._proc.pid,
+        origin = f", forked from the zygote at {self.zygote}" if self.zygote else ""
+        log.info("fork server ready (pid %d%s, preloaded %s)", self._proc.pid, origin,
                  ", ".join(message.get("preloaded", [])) or "nothing")  # fmt: skip
 
     def _pump_output(self) -> None:

@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..runtime import die_with_parent
@@ -43,6 +44,15 @@ from ..runtime import die_with_parent
 DEFAULT_PRELOAD = ("torch", "megatron.core", "deadpool_megatron.process.worker")
 MAX_MESSAGE = 1 << 20  # a request carries a child's whole environment
 PR_SET_NAME = 15
+
+
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a fork server imports in: numpy's import starts its BLAS threads unless
+    told one, and a process with threads cannot fork; the children's torch threads follow
+    OMP_NUM_THREADS (one each unless set: several processes share the node's cores)."""
+    env = {"OPENBLAS_NUM_THREADS": "1", **environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def encode(message: dict) -> bytes:
@@ -259,6 +269,14 @@ def _fresh_per_process_state(env: dict[str, str]) -> None:
         torch.set_num_threads(int(threads))
 
 
+def end_server() -> None:
+    """The server is done: exit at once. Finalising an interpreter that holds torch and
+    megatron-core takes seconds here, and the agent waits for the server's end."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main(argv: list[str]) -> None:
     """argv: the socket's descriptor, the modules to preload (comma-separated), and the
     folder of the script the children will run, first on the path as `python script` has it,
@@ -277,7 +295,7 @@ def main(argv: list[str]) -> None:
     sock.send(encode({"ready": True, "preloaded": done}))
     started = Server(sock).serve()
     if started is None:
-        return
+        end_server()
     run_child(*started, done)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,8 @@ import psutil
 
 from ..control.signed import ENV_JOB_SECRET, new_secret
 from ..metrics import read_metrics
+
+FORK_SERVER_READY = re.compile(r"fork server ready \(pid (\d+)")  # the agent's log line
 
 
 def free_port() -> int:
@@ -41,8 +44,7 @@ class LocalNodes:
 
     def kill_node(self, node: int) -> float:
         """SIGKILL the node's agent and every process under it, as one node's power loss."""
-        agent = psutil.Process(self.procs[node].pid)
-        victims = [agent, *agent.children(recursive=True)]
+        victims = self.node_processes(node)
         at = time.time()
         for p in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -52,11 +54,24 @@ class LocalNodes:
 
     def kill_agent(self, node: int) -> list[int]:
         """SIGKILL the agent alone; the pids of the processes it had started."""
-        agent = psutil.Process(self.procs[node].pid)
-        pids = [c.pid for c in agent.children(recursive=True)]  # through its fork server
+        agent, *started = self.node_processes(node)
         agent.send_signal(signal.SIGKILL)
         self.killed[node] = time.time()
-        return pids
+        return [p.pid for p in started]
+
+    def node_processes(self, node: int) -> list[psutil.Process]:
+        """The node's agent, then every process under it: its children and theirs, and its
+        fork server's when a zygote forked that server outside the agent's tree."""
+        agent = psutil.Process(self.procs[node].pid)
+        found = [agent, *agent.children(recursive=True)]
+        for pid in FORK_SERVER_READY.findall(self.output(node)):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                server = psutil.Process(int(pid))
+                if server not in found and "deadpool_megatron.agent" in " ".join(
+                    server.cmdline()
+                ):  # the server, not a process that took its pid since
+                    found += [server, *server.children(recursive=True)]
+        return found
 
     def iteration(self) -> int:
         """The newest iteration the job's metrics hold (0 before the first)."""

@@ -18,6 +18,7 @@ from etcd_server import free_port, start_etcd_cluster
 from nodes import result, start_nodes
 from slurm_cluster import start_cluster
 
+from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
 from deadpool_megatron.events import read_events
 from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT, run_job
@@ -86,8 +87,10 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
                PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
                MASTER_PORT=str(free_port()),
                TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # ours, even if MEGATRON_LM_DIR is set  # fmt: skip
+    # Without the session's zygote (multiproc/conftest.py): the node's fork server must be
+    # in its agent's process tree, which the node's loss below kills.
     submit = slurm.run(
-        "env", *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
+        "env", "-u", ENV_FORK_ZYGOTE, *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
         "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", "--nodes=4",
         f"--output={tmp_path}/batch.out", str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"),
         *SHAPE, "--metrics-jsonl", str(metrics), "--deadpool-event-log", str(log),

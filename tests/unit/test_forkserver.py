@@ -1,5 +1,6 @@
 """The fork server with real processes: children run their script as `python script` would,
-their exits are reported, they die with the server, and an unsafe preload is refused."""
+their exits are reported, they die with the server, and an unsafe preload is refused; the
+same of a server forked from a zygote."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from waiting import until
+from zygotes import running_zygote
 
 from deadpool_megatron.agent.forks import ForkServer, ForkServerUnavailable
+from deadpool_megatron.agent.forkserver import server_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,10 +44,20 @@ def _env() -> dict[str, str]:
     }
 
 
-@pytest.fixture
-def server(tmp_path):
+@pytest.fixture(scope="module")
+def zygote_socket() -> Iterator[str]:
+    with running_zygote("json,numpy", _env()) as (_, path):
+        yield str(path)
+
+
+@pytest.fixture(params=["own", "zygote"])
+def server(request, tmp_path):
+    """A fork server the agent starts, or one a zygote forks ready (zygote.py): the same."""
+    zygote = request.getfixturevalue("zygote_socket") if request.param == "zygote" else ""
     lines: list[bytes] = []
-    forks = ForkServer(_env(), preload=("json", "numpy"), output=lines.append)
+    forks = ForkServer(server_env(_env()), preload=("json", "numpy"), output=lines.append,
+                       zygote=zygote)  # fmt: skip
+    assert forks.zygote == zygote  # the zygote's fork, where one is asked for
     forks.wait_ready(60)
     yield forks
     forks.close()

@@ -45,6 +45,10 @@ def test_bad_job_flags_are_reported_once_and_no_process_starts():
             ["--nproc-per-node", "2", "--nnodes", "2"],
             "--master-port 0 (pick a free port) only works on one node",
         ),
+        (
+            ["--nproc-per-node", "2", "--fork-zygote", str(ROOT / "README.md")],
+            f"--fork-zygote={ROOT / 'README.md'} is not a socket",
+        ),
     ],
 )
 def test_bad_launcher_flags_exit_2(flags, message):
