@@ -1,12 +1,15 @@
 #!/usr/bin/env python
-"""What starting a job's processes costs, with the fork server and without it, in ONE run.
+"""What starting a job's processes costs, with the fork server, without it, and with the fork
+server forked from a zygote, in ONE run.
 
 The same job (the demo shape by default: TP2 x PP2 x DP2, 8 workers and one spare, on CPU)
-is launched --repeats times in each mode, alternating (so drift on a shared machine hits
-both): with the fork server (the default: every worker and spare forked from one process
-that imported torch and megatron-core once) and with --no-fork-server (each an interpreter
-of its own, as torchrun starts them). Spare 0 is killed at --kill-spare-at, so the pool's
-replenishment (a fresh spare started and registered during training) is timed too.
+is launched --repeats times in each mode, in turns (so drift on a shared machine hits
+each): with the fork server (the default: every worker and spare forked from one process
+that imported torch and megatron-core once), with --no-fork-server (each an interpreter
+of its own, as torchrun starts them), and with --fork-zygote (the fork server forked ready
+from a zygote that this script starts once, before the jobs, and times). Spare 0 is killed
+at --kill-spare-at, so the pool's replenishment (a fresh spare started and registered
+during training) is timed too.
 
 Per job: the time from the launch to the first iteration's end, the whole job's wall time,
 the CPU seconds of every process the launcher started (from its own rusage of waited-for
@@ -22,8 +25,9 @@ our worker module.
     python scripts/bench_startup.py                  # 8 workers + 1 spare, 3 repeats
     python scripts/bench_startup.py --nproc 4 --repeats 2
 
-The last line printed is one JSON object: {"first_iteration_s": {"fork": .., "spawn": ..},
-"speedup_first_iteration", "job_cpu_s", "spare_ready_s", "wall_s",
+The last line printed is one JSON object: {"first_iteration_s": {"fork": .., "spawn": ..,
+"zygote": ..}, "speedup_first_iteration", "job_cpu_s", "spare_ready_s", "wall_s",
+"zygote_ready_s" (the zygote's start to listening, paid once per node),
 "preload_s": {"eager": .., "deferred": ..}, ...}; it also writes
 runs/bench_startup.json.
 """
@@ -32,10 +36,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,9 +50,10 @@ sys.path.insert(0, str(ROOT))
 
 from results_path import results_file  # noqa: E402 (this folder, as a script)
 
+from deadpool_megatron.agent.zygote import listening  # noqa: E402
 from deadpool_megatron.events import read_events  # noqa: E402
 
-MODES = ("fork", "spawn")
+MODES = ("fork", "spawn", "zygote")
 PRELOADS = {
     "eager": "import torch, megatron.core, torch._dynamo, deadpool_megatron.process.worker",
     "deferred": "import torch\n"
@@ -85,7 +92,33 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def job(a: argparse.Namespace, mode: str, workdir: Path) -> dict:
+def start_zygote(folder: Path) -> tuple[subprocess.Popen, str, float]:
+    """The zygote's process, socket and seconds from its start to listening."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = str(Path(tempfile.mkdtemp(prefix="deadpool-zygote-")) / "z.sock")  # <= 107 bytes
+    start = time.perf_counter()
+    with open(folder / "zygote.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deadpool_megatron.agent.zygote", "--socket", path],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    while not listening(path):
+        if proc.poll() is not None:
+            raise SystemExit(f"the zygote failed; see {folder / 'zygote.log'}")
+        time.sleep(0.05)
+    return proc, path, time.perf_counter() - start
+
+
+def reaped_cpu_s(pid: int | None) -> float:
+    """CPU seconds of the children that process `pid` has waited for (cutime + cstime)."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
+def job(a: argparse.Namespace, mode: str, workdir: Path, zygote: str = "",
+        zygote_pid: int | None = None) -> dict:  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
     metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
     metrics.unlink(missing_ok=True)
@@ -95,16 +128,22 @@ def job(a: argparse.Namespace, mode: str, workdir: Path) -> dict:
              "--deadpool-event-log", str(events)]  # fmt: skip
     if a.kill_spare_at:
         flags += ["--deadpool-inject", f"kill-spare@0:{a.kill_spare_at}"]
-    launcher = ["--no-fork-server"] if mode == "spawn" else []
+    launcher = {"fork": [], "spawn": ["--no-fork-server"], "zygote": ["--fork-zygote", zygote]}[
+        mode
+    ]
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc),
            "--spares", "1", *launcher, str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
-    cpu0, start = children_cpu_s(), time.time()
+    cpu0, start = children_cpu_s() + reaped_cpu_s(zygote_pid), time.time()
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     wall = time.time() - start
-    cpu = children_cpu_s() - cpu0  # the launcher and everything it waited for
+    # The launcher and everything it waited for, and, for a fork server forked from the
+    # zygote, that server and its children, which the zygote waits for instead.
+    cpu = children_cpu_s() + reaped_cpu_s(zygote_pid) - cpu0
     (workdir / "job.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"the {mode} job failed; see {workdir / 'job.log'}")
+    if mode == "zygote" and "forked from the zygote" not in done.stdout + done.stderr:
+        raise SystemExit(f"the zygote did not fork the server; see {workdir / 'job.log'}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     first = min(r["time"] for r in records if r.get("iteration") == 1)
     out = {"first_iteration_s": first - start, "wall_s": wall, "job_cpu_s": cpu,
@@ -141,15 +180,21 @@ def main(argv=None) -> int:
         print("importing torch, megatron-core, Dynamo and the worker in a fresh interpreter: "
               + ", ".join(f"{w} {median(v):.2f} s" for w, v in preloads.items())
               + f" (medians of {a.preload_repeats})", flush=True)  # fmt: skip
+    zygote, socket_path, zygote_ready = start_zygote(work)
+    print(f"zygote listening {zygote_ready:.2f} s after its start (once per node)", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    for i in range(a.repeats):
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:
-            r = job(a, mode, work / f"{mode}-{i}")
-            runs[mode].append(r)
-            ready = f"{r['spare_ready_s']:.2f} s" if r["spare_ready_s"] is not None else "-"
-            print(f"{mode:>5} #{i}: first iteration done {r['first_iteration_s']:.1f} s after the "
-                  f"launch, job {r['wall_s']:.1f} s, {r['job_cpu_s']:.1f} CPU s, fresh spare "
-                  f"ready in {ready}", flush=True)  # fmt: skip
+    try:
+        for i in range(a.repeats):
+            for mode in MODES[i % len(MODES) :] + MODES[: i % len(MODES)]:
+                r = job(a, mode, work / f"{mode}-{i}", socket_path, zygote.pid)
+                runs[mode].append(r)
+                ready = f"{r['spare_ready_s']:.2f} s" if r["spare_ready_s"] is not None else "-"
+                print(f"{mode:>6} #{i}: first iteration done {r['first_iteration_s']:.1f} s after "
+                      f"the launch, job {r['wall_s']:.1f} s, {r['job_cpu_s']:.1f} CPU s, fresh "
+                      f"spare ready in {ready}", flush=True)  # fmt: skip
+    finally:
+        zygote.terminate()
+        zygote.wait()
     digests = {r["digest"] for m in MODES for r in runs[m]}
     summary = {
         key: {m: median([r[key] for r in runs[m]]) for m in MODES}
@@ -157,6 +202,7 @@ def main(argv=None) -> int:
     }
     fork, spawn = summary["first_iteration_s"]["fork"], summary["first_iteration_s"]["spawn"]
     summary["speedup_first_iteration"] = round(spawn / fork, 2)
+    summary["zygote_ready_s"] = round(zygote_ready, 3)
     summary["preload_s"] = {w: median(v) for w, v in preloads.items()}
     summary["preload_runs_s"] = {w: [round(x, 3) for x in v] for w, v in preloads.items()}
     summary["bitwise_equal"] = len(digests) == 1

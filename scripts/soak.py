@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from deadpool_megatron.agent.local import FORK_SERVER_READY  # noqa: E402
 from deadpool_megatron.events import read_events  # noqa: E402
 from deadpool_megatron.metrics import (  # noqa: E402
     every_execution_equal,
@@ -215,7 +216,9 @@ def watch(proc: subprocess.Popen, events_path: Path, log: Path, interval_s: floa
         text = log.read_text(errors="replace")
         if disturbed or "training finished" in text:
             continue
-        live = set(descendants(proc.pid))
+        # A fork server forked from a zygote (--fork-zygote) is outside the launcher's tree.
+        servers = [int(pid) for pid in FORK_SERVER_READY.findall(text)]
+        live = {pid for root in (proc.pid, *servers) for pid in descendants(root)}
         workers = {pid for pid, done in collected(text).items() if g in done and pid in live}
         samples = [s for s in map(sample, sorted(workers)) if s is not None]
         if samples:

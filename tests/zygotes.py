@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from deadpool_megatron.agent.zygote import listening
 
 READY_S = 300.0  # its imports, on a machine whose cores another test may be using
 
@@ -30,7 +31,7 @@ def running_zygote(
         )  # fmt: skip
     try:
         deadline = time.monotonic() + READY_S
-        while not listening(path):
+        while not listening(str(path)):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the zygote did not start (rc {proc.poll()}):\n"
                                    f"{log.read_text(errors='replace')[-3000:]}")  # fmt: skip
@@ -45,14 +46,3 @@ def running_zygote(
             proc.kill()
             proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def listening(path: Path) -> bool:
-    if not path.exists():
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
-    return True

@@ -233,6 +233,18 @@ def bind(path: str) -> socket.socket:
     return listener
 
 
+def listening(path: str) -> bool:
+    """Whether a zygote listens at `path` (it binds once its imports are done)."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m deadpool_megatron.agent.zygote",
