@@ -27,7 +27,8 @@ our worker module.
 
 The last line printed is one JSON object: {"first_iteration_s": {"fork": .., "spawn": ..,
 "zygote": ..}, "speedup_first_iteration", "job_cpu_s", "spare_ready_s", "wall_s",
-"zygote_ready_s" (the zygote's start to listening, paid once per node),
+"end_s" (from the last iteration's end to the launcher's exit), "zygote_ready_s" (the
+zygote's start to listening, paid once per node),
 "preload_s": {"eager": .., "deferred": ..}, ...}; it also writes
 runs/bench_startup.json.
 """
@@ -146,7 +147,9 @@ def job(a: argparse.Namespace, mode: str, workdir: Path, zygote: str = "",
         raise SystemExit(f"the zygote did not fork the server; see {workdir / 'job.log'}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     first = min(r["time"] for r in records if r.get("iteration") == 1)
+    last = max(r["time"] for r in records if "time" in r)  # the last iteration's end
     out = {"first_iteration_s": first - start, "wall_s": wall, "job_cpu_s": cpu,
+           "end_s": start + wall - last,
            "digest": next(r for r in records if r.get("event") == "final")["state_digest"]}  # fmt: skip
     evs = read_events(str(events))
     started = {e["spare"]: e["time"] for e in evs if e["event"] == "spare_started"}
@@ -190,15 +193,16 @@ def main(argv=None) -> int:
                 runs[mode].append(r)
                 ready = f"{r['spare_ready_s']:.2f} s" if r["spare_ready_s"] is not None else "-"
                 print(f"{mode:>6} #{i}: first iteration done {r['first_iteration_s']:.1f} s after "
-                      f"the launch, job {r['wall_s']:.1f} s, {r['job_cpu_s']:.1f} CPU s, fresh "
-                      f"spare ready in {ready}", flush=True)  # fmt: skip
+                      f"the launch, job {r['wall_s']:.1f} s (its end {r['end_s']:.1f} s after the "
+                      f"last iteration's), {r['job_cpu_s']:.1f} CPU s, fresh spare ready in "
+                      f"{ready}", flush=True)  # fmt: skip
     finally:
         zygote.terminate()
         zygote.wait()
     digests = {r["digest"] for m in MODES for r in runs[m]}
     summary = {
         key: {m: median([r[key] for r in runs[m]]) for m in MODES}
-        for key in ("first_iteration_s", "wall_s", "job_cpu_s", "spare_ready_s")
+        for key in ("first_iteration_s", "wall_s", "job_cpu_s", "spare_ready_s", "end_s")
     }
     fork, spawn = summary["first_iteration_s"]["fork"], summary["first_iteration_s"]["spawn"]
     summary["speedup_first_iteration"] = round(spawn / fork, 2)
