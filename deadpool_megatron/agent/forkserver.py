@@ -35,7 +35,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from ..runtime import die_with_parent
@@ -116,7 +116,10 @@ def preload(modules: list[str]) -> list[str]:
     return done
 
 
-class Server:
+class ForkingLoop:
+    """The single-threaded loop of a process that forks (the fork server, the zygote): it waits
+    on its socket and on SIGCHLD (through a wake-up pipe), reaping each exited child."""
+
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.selector = selectors.DefaultSelector()
@@ -124,12 +127,8 @@ class Server:
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
 
-    def send(self, message: dict) -> None:
-        self.sock.send(encode(message))
-
-    def serve(self) -> tuple[Request, int] | None:
-        """Fork children until the agent closes its end. Returns in a forked child only, with
-        what it is to run and its stdout descriptor; None in the server when done."""
+    def readable(self) -> Iterator[None]:
+        """Yields each time the socket is readable; reaps children in between."""
         signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up fd fires
         signal.set_wakeup_fd(self.wake_w)
         self.selector.register(self.sock, selectors.EVENT_READ, "request")
@@ -140,13 +139,47 @@ class Server:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 4096)
                     self.reap()
-                    continue
-                data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
-                if not data:
-                    return None  # the agent is done (or gone)
-                started = self.start(decode(data), fds)
-                if started is not None:
-                    return started
+                else:
+                    yield
+
+    def reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.exited(pid, os.waitstatus_to_exitcode(status))
+
+    def exited(self, pid: int, code: int) -> None:
+        """A child ended (reaped already)."""
+
+    def drop(self) -> None:
+        """In a forked child: let go of the loop's signals, descriptors and socket."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.selector.close()
+        self.sock.close()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+class Server(ForkingLoop):
+    def send(self, message: dict) -> None:
+        self.sock.send(encode(message))
+
+    def serve(self) -> tuple[Request, int] | None:
+        """Fork children until the agent closes its end. Returns in a forked child only, with
+        what it is to run and its stdout descriptor; None in the server when done."""
+        for _ in self.readable():
+            data, fds, _, _ = socket.recv_fds(self.sock, MAX_MESSAGE, 1)
+            if not data:
+                return None  # the agent is done (or gone)
+            started = self.start(decode(data), fds)
+            if started is not None:
+                return started
+        return None
 
     def start(self, message: dict, fds: list[int]) -> tuple[Request, int] | None:
         if len(fds) != 1:
@@ -176,25 +209,13 @@ class Server:
         self.send({"pid": pid})
         return None
 
-    def reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            with contextlib.suppress(OSError):  # the agent is gone: nobody to tell
-                self.send({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+    def exited(self, pid: int, code: int) -> None:
+        with contextlib.suppress(OSError):  # the agent is gone: nobody to tell
+            self.send({"exit": pid, "code": code})
 
     def become_child(self, server: int) -> None:
         """In the forked child: drop everything of the server's."""
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        self.selector.close()
-        self.sock.close()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        self.drop()
         os.setsid()
         die_with_parent()
         if os.getppid() != server:  # the server died between the fork and the prctl

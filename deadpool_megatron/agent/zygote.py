@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import selectors
 import signal
 import socket
 import sys
@@ -37,6 +36,7 @@ from ..runtime import die_with_parent
 from .forkserver import (
     DEFAULT_PRELOAD,
     MAX_MESSAGE,
+    ForkingLoop,
     Server,
     decode,
     encode,
@@ -98,7 +98,7 @@ def refusal(request: ServerRequest, preloads: tuple[str, ...], preloaded: list[s
     return None
 
 
-class Zygote:
+class Zygote(ForkingLoop):
     def __init__(
         self,
         listener: socket.socket,
@@ -108,32 +108,19 @@ class Zygote:
     ):
         """`import_env`: the environment the preloads were imported in (importing torch sets
         variables of its own, as it does in an agent's server)."""
-        self.listener = listener
+        super().__init__(listener)
         self.preloads, self.preloaded, self.import_env = preloads, preloaded, import_env
-        self.selector = selectors.DefaultSelector()
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_r, False)
-        os.set_blocking(self.wake_w, False)
 
     def serve(self) -> tuple[ServerRequest, int, int]:
         """Answer requests until killed. Returns in a forked server only, with its request,
         its socket's descriptor and its output's."""
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wake-up fd fires
-        signal.set_wakeup_fd(self.wake_w)
-        self.selector.register(self.listener, selectors.EVENT_READ, "request")
-        self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
-        while True:
-            for key, _ in self.selector.select():
-                if key.data == "child":
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_r, 4096)
-                    self.reap()
-                    continue
-                conn, _ = self.listener.accept()
-                with conn:
-                    forked = self.answer(conn)
-                if forked is not None:
-                    return forked
+        for _ in self.readable():
+            conn, _ = self.sock.accept()
+            with conn:
+                forked = self.answer(conn)
+            if forked is not None:
+                return forked
+        raise AssertionError("unreachable: the loop never ends")
 
     def answer(self, conn: socket.socket) -> tuple[ServerRequest, int, int] | None:
         conn.settimeout(10)
@@ -174,25 +161,11 @@ class Zygote:
             conn.send(encode({"pid": pid}))
         return None
 
-    def reap(self) -> None:
-        while True:
-            try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-
     def become_server(self) -> None:
         """In the forked server: drop everything of the zygote's, take a session of its own
         (the agent signals its children, never it, by group), and outlive the zygote."""
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        self.drop()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        self.selector.close()
-        self.listener.close()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
         os.setsid()
 
 
