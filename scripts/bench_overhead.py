@@ -2,11 +2,14 @@
 """Failure-free overhead of DeadPool's in-memory checkpoint, measured in ONE run.
 
 One job trains with --deadpool; protection is switched off and on in alternating windows of
-iterations (off first), so drift on a shared machine hits both equally. Prints per-window
-medians, the snapshot (device-to-host copy, checksum) and replication times per iteration,
-bytes per iteration and the maximum replica lag, writes JSON and a PNG, and ends with one JSON
-line: {"median_iter_ms_off", "median_iter_ms_on", "ratio", "replica_lag_max", "stall_ms",
-"protection_cpu_ms", ...}. The two costs are measured apart: the stall is the time the
+iterations (off first), so drift on a shared machine hits both equally. With several replica
+transports (--transports gloo,tcp: one protection pipeline each, built side by side in the
+job), the "on" windows take them in turn: off, gloo, off, tcp, off, gloo, ... Prints
+per-window medians, the snapshot (device-to-host copy, checksum) and replication times per
+iteration, bytes per iteration and the maximum replica lag, writes JSON and a PNG, and ends
+with one JSON line: {"median_iter_ms_off", "median_iter_ms_on", "ratio", "transport" (the
+transport with the lower ratio, whose figures these are), "ratio_gloo", "ratio_tcp",
+"replica_lag_max", "stall_ms", "protection_cpu_ms", ...}. The two costs are measured apart: the stall is the time the
 training thread itself spends on protection per iteration (the fence waiting for the previous
 copy, starting the next); the CPU cost is what the snapshot and replication threads burn (copy,
 checksum, posting sends) plus the stall, which on a CPU node whose cores all compute is wall
@@ -14,12 +17,14 @@ time too; gloo's I/O threads come on top (in process_cpu_extra_ms, the on-minus-
 of the whole process's CPU time, a noisier figure).
 
     python scripts/bench_overhead.py                     # 2 CPU ranks (DP2), 41 MB shards
+    python scripts/bench_overhead.py --transports gloo   # one transport, 8 windows
     python scripts/bench_overhead.py --nproc 8 --tp 2 --pp 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,20 +52,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--transports", default="gloo,tcp", type=_transports,
+                   help="replica transports compared, in turn (default gloo,tcp)")  # fmt: skip
     p.add_argument("--window", type=int, default=5, help="iterations per window (default 5)")
-    p.add_argument("--windows", type=int, default=8, help="windows, alternating off/on (8)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="windows, alternating off/on (default 4 on windows per transport)")  # fmt: skip
     p.add_argument("--warmup", type=int, default=3, help="iterations before the first window")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_overhead.json"), type=results_file)
     p.add_argument("--worker-result", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.windows is None:
+        a.windows = 8 * len(a.transports)
+    if a.windows < 2 * len(a.transports):
+        p.error(f"--windows {a.windows} leaves a transport of {','.join(a.transports)} without "
+                f"an on window: give at least {2 * len(a.transports)}")  # fmt: skip
+    return a
 
 
-def protection_on(iteration: int, warmup: int, window: int) -> bool:
-    """Iterations are 1-based; windows alternate off, on, off, ... after the warm-up."""
+def _transports(value: str) -> list[str]:
+    names = [t.strip() for t in value.split(",") if t.strip()]
+    bad = [t for t in names if t not in TRANSPORTS]
+    if bad or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give distinct transports out of {', '.join(TRANSPORTS)}, comma-separated"
+        )
+    return names
+
+
+TRANSPORTS = ("gloo", "tcp")  # --deadpool-transport's choices
+
+
+def protected_by(iteration: int, warmup: int, window: int, transports: list[str]) -> str | None:
+    """The transport protecting `iteration` (1-based), None for off: after the warm-up,
+    windows alternate off and on, the on windows taking the transports in turn."""
     if iteration <= warmup:
-        return False
-    return ((iteration - warmup - 1) // window) % 2 == 1
+        return None
+    w = (iteration - warmup - 1) // window
+    return transports[(w // 2) % len(transports)] if w % 2 else None
 
 
 def job_flags(a: argparse.Namespace) -> list[str]:
@@ -97,45 +126,55 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
     setup_logging()
     on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, open_store(env, cfg))
     state = build_train_state(cfg, on_gpu)
-    pipeline = build_pipeline(cfg, state, env, on_gpu)
-    pipeline.enabled = protection_on(1, a.warmup, a.window)
-    samples: list[tuple[int, bool, float, float]] = []
+    # One pipeline per transport, side by side; only the window's own is enabled.
+    pipelines = {
+        t: build_pipeline(dataclasses.replace(
+            cfg, deadpool=dataclasses.replace(cfg.deadpool, deadpool_transport=t)),
+            state, env, on_gpu)
+        for t in a.transports
+    }  # fmt: skip
+    active = [protected_by(1, a.warmup, a.window, a.transports)]
+    for t, p in pipelines.items():
+        p.enabled = t == active[0]
+    samples: list[tuple[int, str | None, float, float]] = []
     last = [time.perf_counter(), time.process_time()]
 
     def on_iteration(t) -> None:
+        if active[0] is not None:  # where the trainer would call it: after the step
+            pipelines[active[0]].after_step(t.iteration)
         # Wall time, and CPU time of the whole process (every thread, user + system).
         now, cpu = time.perf_counter(), time.process_time()
-        samples.append(
-            (t.iteration, pipeline.enabled, (now - last[0]) * 1000.0, (cpu - last[1]) * 1000.0)
-        )
-        nxt = protection_on(t.iteration + 1, a.warmup, a.window)
-        if pipeline.enabled and not nxt:  # drain, outside the timed span
-            pipeline.snapshotter.wait_committed()
-        pipeline.enabled = nxt
+        samples.append((t.iteration, active[0], (now - last[0]) * 1000.0,
+                        (cpu - last[1]) * 1000.0))  # fmt: skip
+        nxt = protected_by(t.iteration + 1, a.warmup, a.window, a.transports)
+        if active[0] is not None and nxt != active[0]:  # drain, outside the timed span
+            pipelines[active[0]].snapshotter.wait_committed()
+        for name, p in pipelines.items():
+            p.enabled = name == nxt
+        active[0] = nxt
         last[0], last[1] = time.perf_counter(), time.process_time()
 
     session = ProtectedLoop(ProgressBoard(), after_iteration=on_iteration)
-    trainer = Trainer(cfg, state, env.world_size, on_gpu, hooks=session, pipeline=pipeline)
+    trainer = Trainer(cfg, state, env.world_size, on_gpu, hooks=session)
     session.bind(trainer)
     trainer.train()
-    pipeline.close()
-    mine = {
-        "rank": env.rank,
-        "copy_ms": [x * 1000 for x in pipeline.snapshotter.copy_s],
-        "checksum_ms": [x * 1000 for x in pipeline.snapshotter.commit_s],
-        "replicate_ms": [x * 1000 for x in pipeline.replicator.stats.send_s],
-        "thread_cpu_ms": [
-            x * 1000 for x in [*pipeline.snapshotter.cpu_s, *pipeline.replicator.stats.cpu_s]
-        ],
-        "snapshot_bytes": pipeline.state.layout.total_nbytes,
-        "replica_bytes": pipeline.state.layout.optimizer_nbytes
-        * len(pipeline.replicator.successors),
-        "stall_ms": [x * 1000 for x in pipeline.stats.stall_s],
-        "lag_max": pipeline.stats.lag_max,
-        "lag": dict(pipeline.stats.lag_history),
-        "rejected": pipeline.replicator.stats.rejected,
-        "samples": samples,
-    }
+    mine = {"rank": env.rank, "samples": samples, "transports": {}}
+    for name, pipeline in pipelines.items():
+        pipeline.close()
+        mine["transports"][name] = {
+            "copy_ms": [x * 1000 for x in pipeline.snapshotter.copy_s],
+            "checksum_ms": [x * 1000 for x in pipeline.snapshotter.commit_s],
+            "replicate_ms": [x * 1000 for x in pipeline.replicator.stats.send_s],
+            "thread_cpu_ms": [
+                x * 1000 for x in [*pipeline.snapshotter.cpu_s, *pipeline.replicator.stats.cpu_s]
+            ],
+            "snapshot_bytes": pipeline.state.layout.total_nbytes,
+            "replica_bytes": pipeline.state.layout.optimizer_nbytes
+            * len(pipeline.replicator.successors),
+            "stall_ms": [x * 1000 for x in pipeline.stats.stall_s],
+            "lag_max": pipeline.stats.lag_max,
+            "rejected": pipeline.replicator.stats.rejected,
+        }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if env.rank == 0:
@@ -149,8 +188,8 @@ def run_worker(a: argparse.Namespace, job: list[str]) -> int:
 def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
     # An iteration takes as long as its slowest rank: collectives synchronise them.
     per_iter: dict[int, list[float]] = {}
-    cpu: dict[bool, list[float]] = {True: [], False: []}
-    state: dict[int, bool] = {}
+    cpu: dict[str | None, list[float]] = {t: [] for t in [None, *a.transports]}
+    state: dict[int, str | None] = {}
     for r in ranks:
         for it, on, ms, cpu_ms in r["samples"]:
             per_iter.setdefault(it, []).append(ms)
@@ -162,26 +201,49 @@ def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
         its = range(a.warmup + w * a.window + 1, a.warmup + (w + 1) * a.window + 1)
         times = [max(per_iter[i]) for i in its]
         windows.append({"window": w, "on": state[its[0]], "median_ms": statistics.median(times)})
-    off = [max(per_iter[i]) for i in per_iter if i > a.warmup and not state[i]]
-    on = [max(per_iter[i]) for i in per_iter if state[i]]
+    off = [max(per_iter[i]) for i in per_iter if i > a.warmup and state[i] is None]
+    median_off = statistics.median(off)
+    by_transport = {t: _transport_figures(a, ranks, t, per_iter, state, cpu, median_off)
+                    for t in a.transports}  # fmt: skip
+    best = min(a.transports, key=lambda t: by_transport[t]["ratio"])
+    first = ranks[0]["transports"][a.transports[0]]
+    return {
+        "windows": windows,
+        "median_iter_ms_off": round(median_off, 2),
+        **by_transport[best],
+        "transport": best,
+        **{f"ratio_{t}": by_transport[t]["ratio"] for t in a.transports},
+        "by_transport": by_transport,
+        "cpu_ms_per_iter_off": round(statistics.median(cpu[None]), 2),
+        "snapshot_mb_per_iter_per_rank": round(first["snapshot_bytes"] / 2**20, 2),
+        "replica_mb_sent_per_iter_per_rank": round(first["replica_bytes"] / 2**20, 2),
+        "nproc": a.nproc,
+        "shape": f"TP{a.tp}xPP{a.pp}xDP{a.nproc // (a.tp * a.pp)}",
+        "per_iteration_ms": {str(i): max(v) for i, v in sorted(per_iter.items())},
+        "per_iteration_on": {str(i): state[i] for i in sorted(state)},
+    }
+
+
+def _transport_figures(a, ranks, t, per_iter, state, cpu, median_off) -> dict:
+    """One transport's windows against every off window."""
+    on = [max(per_iter[i]) for i in per_iter if state[i] == t]
+    mine = [r["transports"][t] for r in ranks]
 
     def mean(key):
-        vals = [v for r in ranks for v in r[key]]
+        vals = [v for r in mine for v in r[key]]
         return statistics.mean(vals) if vals else 0.0
 
-    median_off, median_on = statistics.median(off), statistics.median(on)
-    cpu_extra = statistics.median(cpu[True]) - statistics.median(cpu[False])
+    median_on = statistics.median(on)
+    cpu_extra = statistics.median(cpu[t]) - statistics.median(cpu[None])
     # The stall: what the training thread itself spends on protection per iteration (the
     # fence's wait for the previous copy, metadata, starting the copy); the rank that stalls
     # most sets the pace. The CPU cost: what the snapshot and replication threads burn per
     # protected iteration (thread CPU clocks), plus the stall; gloo's I/O threads and the
     # kernel's loopback copies come on top and show only in the whole process's CPU time
     # (cpu_extra, the on-minus-off difference of medians: the noisier figure).
-    stall = max(statistics.median(r["stall_ms"]) for r in ranks if r["stall_ms"])
-    threads_cpu = sum(v for r in ranks for v in r["thread_cpu_ms"]) / len(ranks) / max(1, len(on))
+    stall = max(statistics.median(r["stall_ms"]) for r in mine if r["stall_ms"])
+    threads_cpu = sum(v for r in mine for v in r["thread_cpu_ms"]) / len(mine) / max(1, len(on))
     return {
-        "windows": windows,
-        "median_iter_ms_off": round(median_off, 2),
         "median_iter_ms_on": round(median_on, 2),
         "ratio": round(median_on / median_off, 4),
         "snapshot_copy_ms": round(mean("copy_ms"), 2),
@@ -193,21 +255,14 @@ def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
         # The profile: what protection costs each rank in CPU time per iteration (all threads,
         # gloo's and the kernel's loopback copies included). With every core computing, CPU
         # taken is wall time lost: the ratio this predicts is 1 + cpu_extra / median_off.
-        "cpu_ms_per_iter_off": round(statistics.median(cpu[False]), 2),
-        "cpu_ms_per_iter_on": round(statistics.median(cpu[True]), 2),
+        "cpu_ms_per_iter_on": round(statistics.median(cpu[t]), 2),
         "predicted_ratio_from_cpu": round(1 + cpu_extra / median_off, 4),
         "stall_ms": round(stall, 3),
         "stall_pct_of_iteration": round(100 * stall / median_off, 3),
         "protection_cpu_ms": round(threads_cpu + stall, 2),
         "process_cpu_extra_ms": round(cpu_extra, 2),
-        "snapshot_mb_per_iter_per_rank": round(ranks[0]["snapshot_bytes"] / 2**20, 2),
-        "replica_mb_sent_per_iter_per_rank": round(ranks[0]["replica_bytes"] / 2**20, 2),
-        "replica_lag_max": max(r["lag_max"] for r in ranks),
-        "rejected": sum(r["rejected"] for r in ranks),
-        "nproc": a.nproc,
-        "shape": f"TP{a.tp}xPP{a.pp}xDP{a.nproc // (a.tp * a.pp)}",
-        "per_iteration_ms": {str(i): max(v) for i, v in sorted(per_iter.items())},
-        "per_iteration_on": {str(i): state[i] for i in sorted(state)},
+        "replica_lag_max": max(r["lag_max"] for r in mine),
+        "rejected": sum(r["rejected"] for r in mine),
     }
 
 
@@ -223,14 +278,18 @@ def plot(summary: dict, path: Path) -> None:
     its = [int(i) for i in summary["per_iteration_ms"]]
     ms = list(summary["per_iteration_ms"].values())
     on = [summary["per_iteration_on"][str(i)] for i in its]
+    colors = {None: "tab:blue", "gloo": "tab:red", "tcp": "tab:orange"}
     fig, ax = plt.subplots(figsize=(9, 4))
-    ax.bar(its, ms, color=["tab:red" if o else "tab:blue" for o in on])
+    ax.bar(its, ms, color=[colors[o] for o in on])
     ax.axhline(summary["median_iter_ms_off"], color="tab:blue", ls="--", label="median off")
-    ax.axhline(summary["median_iter_ms_on"], color="tab:red", ls="--", label="median on")
-    ax.set_xlabel("iteration (blue: protection off, red: on)")
+    for t, fig_t in summary["by_transport"].items():
+        ax.axhline(fig_t["median_iter_ms_on"], color=colors[t], ls="--",
+                   label=f"median on, {t} (ratio {fig_t['ratio']:.3f})")  # fmt: skip
+    ax.set_xlabel("iteration (blue: protection off; red: on, gloo; orange: on, tcp)")
     ax.set_ylabel("iteration time (ms)")
     ax.set_title(
-        f"DeadPool overhead, {summary['shape']}: ratio {summary['ratio']:.3f}, "
+        f"DeadPool overhead, {summary['shape']}: best ratio {summary['ratio']:.3f} "
+        f"({summary['transport']}), "
         f"{summary['snapshot_mb_per_iter_per_rank']:.0f} MB snapshot/rank/iteration"
     )
     ax.legend()
@@ -259,19 +318,22 @@ def main(argv=None) -> int:
     plot(summary, out.with_suffix(".png"))
     print(f"\n{'window':>6} {'protection':>10} {'median ms':>10}")
     for w in summary["windows"]:
-        print(f"{w['window']:>6} {'on' if w['on'] else 'off':>10} {w['median_ms']:>10.1f}")
-    print(
-        f"snapshot {summary['snapshot_mb_per_iter_per_rank']} MB/rank/iteration "
-        f"(copy {summary['snapshot_copy_ms']} ms, checksum {summary['snapshot_checksum_ms']} ms); "
-        f"replica {summary['replica_mb_sent_per_iter_per_rank']} MB/rank/iteration "
-        f"({summary['replicate_ms']} ms); lag max {summary['replica_lag_max']}; "
-        f"training-thread stall {summary['stall_ms']} ms/iteration "
-        f"({summary['stall_pct_of_iteration']}%), protection CPU "
-        f"{summary['protection_cpu_ms']} ms/iteration (our threads; the whole process's CPU "
-        f"on minus off: {summary['process_cpu_extra_ms']} ms); "
-        f"results in {out} and {out.with_suffix('.png')}"
-    )
-    keys = ("median_iter_ms_off", "median_iter_ms_on", "ratio", "replica_lag_max",
+        print(f"{w['window']:>6} {w['on'] or 'off':>10} {w['median_ms']:>10.1f}")
+    print(f"snapshot {summary['snapshot_mb_per_iter_per_rank']} MB/rank/iteration, replica "
+          f"{summary['replica_mb_sent_per_iter_per_rank']} MB/rank/iteration; median iteration "
+          f"off {summary['median_iter_ms_off']} ms")  # fmt: skip
+    for t, f in summary["by_transport"].items():
+        print(
+            f"{t}: ratio {f['ratio']} (on {f['median_iter_ms_on']} ms; copy "
+            f"{f['snapshot_copy_ms']} ms, checksum {f['snapshot_checksum_ms']} ms, replicate "
+            f"{f['replicate_ms']} ms); lag max {f['replica_lag_max']}; training-thread stall "
+            f"{f['stall_ms']} ms/iteration ({f['stall_pct_of_iteration']}%), protection CPU "
+            f"{f['protection_cpu_ms']} ms/iteration (our threads; the whole process's CPU on "
+            f"minus off: {f['process_cpu_extra_ms']} ms)"
+        )
+    print(f"results in {out} and {out.with_suffix('.png')}")
+    keys = ("median_iter_ms_off", "median_iter_ms_on", "ratio", "transport",
+            *(f"ratio_{t}" for t in a.transports), "replica_lag_max",
             "snapshot_copy_ms", "snapshot_checksum_ms", "replicate_ms", "background_cpu_ms_per_iter",
             "cpu_ms_per_iter_off", "cpu_ms_per_iter_on", "predicted_ratio_from_cpu",
             "stall_ms", "stall_pct_of_iteration", "protection_cpu_ms", "process_cpu_extra_ms",

@@ -11,13 +11,16 @@ real gloo ring groups), then kills one of them (`kill`: rank 0 and rank 1 by tur
 the other's successor and predecessor) or has both abort 0-50 ms apart (`both`); the
 survivors abort as a recovery does (cut the connections, then stop the pipeline) and report
 whether the replication thread stopped within the limit. Each round runs once per variant,
-in turn, with the same timing: the payload in one message, in parts one at a time, and in
-parts two in flight each way. Prints a table and, last, one JSON object:
+in turn, with the same timing: over gloo, the payload in one message, in parts one at a time,
+and in parts two in flight each way; over tcp (`--deadpool-transport tcp`: a connection per
+ring edge and direction that the stop shuts down), in parts one at a time. `--variants`
+picks some. Prints a table and, last, one JSON object:
 {"mib", "rounds", "chunk_bytes", "window_parts", "left_behind": {mode: {variant: n}},
 "processes": {mode: n}}.
 
     python scripts/bench_replica_abort.py                 # 64 MiB, 20 rounds per mode
     python scripts/bench_replica_abort.py --rounds 3 --mib 16
+    python scripts/bench_replica_abort.py --variants gloo-parts,tcp   # the two transports
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ sys.path.insert(0, str(ROOT))
 DRIVER = ROOT / "scripts" / "replica_abort_driver.py"
 MODES = ("kill", "both")
 ONE_MESSAGE = 1 << 40  # a part larger than any payload
+# name -> (transport, part size (None: replicator.CHUNK_BYTES), parts in flight each way)
+VARIANTS = {"gloo-one-message": ("gloo", ONE_MESSAGE, 1), "gloo-parts": ("gloo", None, 1),
+            "gloo-parts-two-in-flight": ("gloo", None, 2), "tcp": ("tcp", None, 1)}  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="rounds per mode and variant")
     p.add_argument("--mib", type=int, default=64, help="the shard each process replicates")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"which of {', '.join(VARIANTS)} (default all)")  # fmt: skip
     a = p.parse_args(argv)
+    a.variant_list = a.variants.split(",")
+    unknown = [v for v in a.variant_list if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants {unknown}: each must be one of {', '.join(VARIANTS)}")
     a.mode_list = a.modes.split(",")
     bad = [m for m in a.mode_list if m not in MODES]
     if bad:
@@ -51,12 +63,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def one_round(chunk: int, window: int, mode: str, mib: int, seed: int) -> list[dict]:
+def one_round(
+    transport: str, chunk: int, window: int, mode: str, mib: int, seed: int
+) -> list[dict]:
     """Both processes of one round; the JSON of each survivor."""
     with tempfile.TemporaryDirectory() as tmp:
         store = str(Path(tmp) / "store")
         procs = [subprocess.Popen([sys.executable, str(DRIVER), str(rank), store, str(chunk),
-                                   str(window), mode, str(mib), str(seed)], cwd=ROOT,
+                                   str(window), mode, str(mib), str(seed), transport], cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for rank in range(2)]  # fmt: skip
         outs = []
@@ -74,14 +88,13 @@ def main(argv=None) -> dict:
     from deadpool_megatron.checkpoint.replicator import CHUNK_BYTES, WINDOW_PARTS
 
     a = parse_args(argv)
-    variants = {"one message": (ONE_MESSAGE, 1), "parts one at a time": (CHUNK_BYTES, 1),
-                "parts, two in flight": (CHUNK_BYTES, 2)}  # fmt: skip
+    variants = {v: VARIANTS[v] for v in a.variant_list}
     left = {m: dict.fromkeys(variants, 0) for m in a.mode_list}
     survivors = {m: 0 for m in a.mode_list}
     for mode in a.mode_list:
         for r in range(a.rounds):
-            for name, (chunk, window) in variants.items():
-                outs = one_round(chunk, window, mode, a.mib, seed=r)
+            for name, (transport, chunk, window) in variants.items():
+                outs = one_round(transport, chunk or CHUNK_BYTES, window, mode, a.mib, seed=r)
                 left[mode][name] += sum(not o["stopped"] for o in outs)
                 print(f"{mode} round {r + 1}/{a.rounds} {name}: "
                       + ", ".join(f"rank {o['rank']} {'stopped' if o['stopped'] else 'LEFT BEHIND'}"

@@ -4,9 +4,9 @@ lags, so a transfer is always under way), until one of
 them is SIGKILLed or both abort as a recovery does; the survivor(s) print, as JSON, whether
 the replication thread stopped within the pipeline's stop limit.
 
-usage: replica_abort_driver.py RANK STORE_FILE CHUNK_BYTES WINDOW_PARTS MODE MIB SEED
+usage: replica_abort_driver.py RANK STORE_FILE CHUNK_BYTES WINDOW_PARTS MODE MIB SEED TRANSPORT
   MODE: kill (the rank SEED % 2 dies: the other one's sole successor and predecessor),
-  both (both abort, rank 1 up to 50 ms after rank 0)
+  both (both abort, rank 1 up to 50 ms after rank 0); TRANSPORT: gloo or tcp
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from deadpool_megatron.checkpoint.layout import Entry, StateLayout  # noqa: E402
 from deadpool_megatron.checkpoint.pipeline import ProtectionPipeline  # noqa: E402
 from deadpool_megatron.checkpoint.transport import GlooTransport  # noqa: E402
 from deadpool_megatron.megatron import gloo_ops, parallel  # noqa: E402
+from deadpool_megatron.process.protection import tcp_ring  # noqa: E402
 from deadpool_megatron.recovery.abort import CommunicatorAbort  # noqa: E402
 from deadpool_megatron.topology import Topology  # noqa: E402
 
@@ -50,18 +51,20 @@ class Shard:
 
 
 def main(rank: int, store_file: str, chunk: int, window: int, mode: str, mib: int,
-         seed: int) -> None:  # fmt: skip
+         seed: int, transport: str) -> None:  # fmt: skip
     logging.basicConfig(level=logging.CRITICAL)  # the lag and the stop are expected here
     replicator.CHUNK_BYTES, replicator.WINDOW_PARTS = chunk, window
     dist.init_process_group("gloo", store=dist.FileStore(store_file, 2), rank=rank,
                             world_size=2)  # fmt: skip
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     nbytes = mib << 20
-    pipeline = ProtectionPipeline(
-        Shard(nbytes), GlooTransport(parallel.ring_pairs(Topology(2, 1, 1), 1),
-                                     gloo_ops.OpenWork),
-        [1 - rank], [1 - rank], {1 - rank: nbytes}, use_cuda=False,
-    )  # fmt: skip
+    topo = Topology(2, 1, 1)
+    if transport == "tcp":
+        ring = tcp_ring(topo, 1, parallel.dp_group(), "127.0.0.1", 0, 600.0)
+    else:
+        ring = GlooTransport(parallel.ring_pairs(topo, 1), gloo_ops.OpenWork)
+    pipeline = ProtectionPipeline(Shard(nbytes), ring, [1 - rank], [1 - rank], {1 - rank: nbytes},
+                                  use_cuda=False)  # fmt: skip
     rng = random.Random(seed)
     until = time.monotonic() + 0.4 + rng.random() * 0.4  # the same moment in both processes
     late = rng.random() * 0.05
@@ -79,6 +82,7 @@ def main(rank: int, store_file: str, chunk: int, window: int, mode: str, mib: in
     pipeline.abort(timeout=30.0)
     stopped = pipeline.replicator.stopped
     print(json.dumps({"rank": rank, "mode": mode, "chunk": chunk, "window": window,
+                      "transport": transport,
                       "stopped": stopped,
                       "stop_s": round(time.monotonic() - start, 3),
                       "limit_s": pipeline_module.REPLICATION_STOP_S,
@@ -89,4 +93,4 @@ def main(rank: int, store_file: str, chunk: int, window: int, mode: str, mib: in
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
-         int(sys.argv[6]), int(sys.argv[7]))  # fmt: skip
+         int(sys.argv[6]), int(sys.argv[7]), sys.argv[8])  # fmt: skip

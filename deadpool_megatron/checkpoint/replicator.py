@@ -139,12 +139,14 @@ class RingReplicator:
             raise TimeoutError("the replication thread did not finish its last round")
 
     def abort(self, timeout: float = 10.0) -> bool:
-        """Stop without agreement (a failure: a peer may be gone). The caller has broken the
-        group's connections, so a pending send or receive raises; True if the thread ended.
+        """Stop without agreement (a failure: a peer may be gone). A pending send or receive
+        raises: the transport's abort ends it (tcp), or the caller has broken the connections
+        (gloo, which has no abort of its own); True if the thread ended.
         Committed replicas stay: a recovery serves them."""
         with self._cond:
             self._stop = self._aborted = True
             self._cond.notify_all()
+        self.transport.abort()
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -219,6 +221,8 @@ class RingReplicator:
             log.error("replication stopped: %s", err)
             if self.on_error is not None:
                 self.on_error(err)
+        finally:
+            self.transport.close()
 
     def _post_headers(
         self, slot: Slot | None, stop: bool, flip: bool = False

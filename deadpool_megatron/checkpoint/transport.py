@@ -2,7 +2,8 @@
 
 The replicator only needs ordered, asynchronous point-to-point messages between two ranks of
 dedicated groups; gloo over TCP is the one here (MPI or NCCL can be added behind the same
-interface). Ranks are global ranks.
+interface; plain TCP connections that an abort ends at once are in tcp_transport.py). Ranks
+are global ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ class Transport(ABC):
     @abstractmethod
     def irecv(self, tensor: torch.Tensor, src: int):
         """Start receiving into `tensor` from global rank `src`; returns a handle with wait()."""
+
+    def abort(self) -> None:  # noqa: B027 (optional: nothing to end by default)
+        """End pending operations now, from any thread (a recovery's stop). gloo's cannot:
+        a recovery cuts the process's connections for it (recovery/abort.py)."""
+
+    def close(self) -> None:  # noqa: B027 (optional: nothing held by default)
+        """Release what the transport holds, by the thread that used it, once it is done."""
 
 
 class GlooTransport(Transport):

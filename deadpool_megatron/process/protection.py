@@ -7,13 +7,15 @@ sizes of every predecessor are set up here, once per generation.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from ..checkpoint import tcp_transport
 from ..checkpoint.buffers import Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
-from ..checkpoint.transport import GlooTransport
+from ..checkpoint.transport import GlooTransport, Transport
 from ..config import JobConfig
 from ..megatron import gloo_ops, parallel
 from ..megatron.exchange import all_gather_ints
@@ -43,18 +45,22 @@ def build_pipeline(
         world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, env.local_world_size
     )
     k = cfg.deadpool.deadpool_replicas
-    edges = parallel.ring_pairs(topo, k)
+    ring = parallel.dp_group()
+    if cfg.deadpool.deadpool_transport == "tcp":
+        transport = tcp_ring(topo, k, ring, env.master_addr, generation,
+                             cfg.system.distributed_timeout_minutes * 60)  # fmt: skip
+    else:
+        transport = GlooTransport(parallel.ring_pairs(topo, k), gloo_ops.OpenWork)
     coords = topo.coords(rank)
     rank_state = RankState(state.model, state.optimizer, state.scheduler)
     # Replica sizes over the ring's members (megatron's DP group, on this thread, before the
     # replication thread starts): every predecessor is one of them.
-    ring = parallel.dp_group()
     sizes = all_gather_ints([rank_state.layout.optimizer_nbytes], ring)
     shard_sizes = {r: n for r, (n,) in zip(dist.get_process_group_ranks(ring), sizes, strict=True)}
     predecessors = topo.ring_predecessors(rank, k)
     return ProtectionPipeline(
         rank_state,
-        GlooTransport(edges, gloo_ops.OpenWork),
+        transport,
         successors=topo.ring_successors(rank, k),
         predecessors=predecessors,
         replica_nbytes={p: shard_sizes[p] for p in predecessors},
@@ -71,3 +77,48 @@ def build_pipeline(
         on_error=on_error,
         reuse=reuse,
     )
+
+
+def tcp_ring(
+    topo: Topology,
+    k: int,
+    ring: dist.ProcessGroup,
+    master_addr: str,
+    generation: int,
+    timeout_s: float,
+) -> Transport:
+    """Connections to this rank's ring successors and from its predecessors: each member
+    listens on a fresh port of the interface that routes to MASTER_ADDR, the ring's members
+    exchange their addresses (a collective of the training thread), then connect."""
+    rank = dist.get_rank()
+    listener = tcp_transport.listen(tcp_transport.reachable_host(master_addr))
+    try:
+        addresses = all_gather_ints(_encode(listener.getsockname()), ring)
+    except BaseException:
+        listener.close()
+        raise
+    members = dict(zip(dist.get_process_group_ranks(ring), map(_decode, addresses), strict=True))
+    send_to, recv_from = tcp_transport.connect_ring(
+        rank,
+        generation,
+        listener,
+        {dst: members[dst] for dst in topo.ring_successors(rank, k)},
+        topo.ring_predecessors(rank, k),
+        timeout_s,
+    )
+    return tcp_transport.TcpTransport(send_to, recv_from, timeout_s)
+
+
+def _encode(sockname: tuple) -> list[int]:
+    """A listener's address as a fixed number of integers: family, port, 16 address bytes."""
+    host, port = sockname[0], sockname[1]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    packed = socket.inet_pton(family, host).ljust(16, b"\0")
+    return [6 if family == socket.AF_INET6 else 4, port, *packed]
+
+
+def _decode(values: list[int]) -> tcp_transport.Address:
+    family, port, *packed = values
+    if family == 6:
+        return tcp_transport.Address(socket.inet_ntop(socket.AF_INET6, bytes(packed)), port)
+    return tcp_transport.Address(socket.inet_ntop(socket.AF_INET, bytes(packed[:4])), port)

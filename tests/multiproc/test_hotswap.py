@@ -125,6 +125,24 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
         assert _replays(result) == done["replayed_iterations"]
 
 
+def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
+    # --deadpool-transport tcp: rank 3 dies while its replication thread sends, rank 0 fails
+    # transiently later; the new generation's ring is connected anew each time.
+    spec = "kill@3:5:replicate,raise@0:8"
+    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1,
+                          extra=["--deadpool-transport", "tcp"])  # fmt: skip
+    _assert_same_run(result, baseline_pp2)
+    assert [(d["rank"], d["kind"]) for d in _named(events, "failure_detected")] == [
+        (3, "permanent"),
+        (0, "transient"),
+    ]
+    _assert_recovered(events, recoveries=2)
+    assert "left the replication thread behind" not in result.output
+    for generation in range(3):  # every rank's ring, at the start and after each recovery
+        line = f"replica ring of generation {generation} over tcp"
+        assert result.output.count(line) == 4, (generation, result.output)
+
+
 def test_without_the_fork_server_every_process_is_its_own_interpreter_and_trains_alike(
     tmp_path, baseline_pp2
 ):
@@ -358,6 +376,17 @@ def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, b
     result, events = _run(
         tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2, extra=["--deadpool-replicas", "2"]
     )
+    _assert_same_run(result, baseline_dp4)
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"1": "spare-0", "2": "spare-1"}
+
+
+def test_two_replicas_over_tcp_connections_serve_adjacent_ranks_lost_together(
+    tmp_path, baseline_dp4
+):
+    # Two successors and two predecessors per rank: four connections each, every generation.
+    result, events = _run(tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2,
+                          extra=["--deadpool-replicas", "2", "--deadpool-transport", "tcp"])  # fmt: skip
     _assert_same_run(result, baseline_dp4)
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"1": "spare-0", "2": "spare-1"}

@@ -1,0 +1,319 @@
+"""Replicas over plain TCP connections that an abort ends at once (`--deadpool-transport tcp`).
+
+gloo cannot always be woken from a transfer cut mid-message: its pair neither fails a
+receive whose message has started to arrive nor an unbound send it queued, so a recovery's
+stop could leave the replication thread waiting until the group's timeout (3-5 stops in 20
+in scripts/bench_replica_abort.py). Here every ring edge is a connection of its own, one
+direction of data each (the sender connected to the receiver), driven by the replication
+thread itself with non-blocking sockets: `abort()` shuts the connections down from any
+thread, and a wait raises at once; a peer that died resets or closes its end, which raises
+too. Nothing waits on a connection longer than `timeout_s` without a byte moving.
+
+Set-up (`connect_ring`): each rank listens on a fresh port, the addresses are exchanged by
+the caller (a collective over the ring's members), every rank connects to its successors
+and then accepts its predecessors; a connection opens with a hello naming its two ends and
+the generation, and one that does not name this rank's expected predecessor in this
+generation is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .transport import Transport
+
+log = logging.getLogger("deadpool.replicate")
+
+HELLO = struct.Struct("<8sqqq")  # magic, sender's rank, receiver's rank, generation
+MAGIC = b"DPREPL01"
+SOCKET_BUFFER_BYTES = 4 << 20  # a replica part (replicator.CHUNK_BYTES) in flight at once
+
+
+class TransportAborted(ConnectionError):
+    """The transport was aborted (a recovery stops the replication)."""
+
+
+@dataclass(frozen=True)
+class Address:
+    host: str
+    port: int
+
+
+def listen(host: str) -> socket.socket:
+    """A listening socket on a fresh port of `host` (the interface peers reach this rank on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(64)
+    return sock
+
+
+def reachable_host(peer_host: str) -> str:
+    """This machine's address on the interface that routes to `peer_host` (the job's
+    MASTER_ADDR, on the cluster network): a UDP socket's connect chooses it without sending
+    anything."""
+    info = socket.getaddrinfo(peer_host, 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
+        probe.connect(info[4])
+        return probe.getsockname()[0]
+
+
+def connect_ring(
+    me: int,
+    generation: int,
+    listener: socket.socket,
+    successors: Mapping[int, Address],
+    predecessors: Iterable[int],
+    timeout_s: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
+    """Connect to every successor, then accept every predecessor (connections complete in the
+    listener's backlog, so no rank waits for another's accept: no cycle). Returns the
+    connections to send on and to receive on, by peer; closes the listener."""
+    send_to: dict[int, socket.socket] = {}
+    recv_from: dict[int, socket.socket] = {}
+    try:
+        for dst, addr in successors.items():
+            sock = socket.create_connection((addr.host, addr.port), timeout=timeout_s)
+            send_to[dst] = sock
+            sock.sendall(HELLO.pack(MAGIC, me, dst, generation))
+        expected = set(predecessors)
+        deadline = clock() + timeout_s
+        while expected - set(recv_from):
+            left = deadline - clock()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                listener.settimeout(left)
+                sock, peer = listener.accept()
+            except TimeoutError:
+                raise TimeoutError(
+                    f"rank {me}: no replica connection from rank(s) "
+                    f"{sorted(expected - set(recv_from))} within {timeout_s:g} s"
+                ) from None
+            sock.settimeout(max(deadline - clock(), 0.001))
+            try:
+                magic, src, dst, gen = HELLO.unpack(_read_exactly(sock, HELLO.size))
+            except (OSError, ConnectionError) as err:
+                sock.close()
+                log.warning("refused a replica connection from %s: %s", peer, err)
+                continue
+            if (
+                magic != MAGIC
+                or dst != me
+                or gen != generation
+                or src not in expected - set(recv_from)
+            ):
+                sock.close()
+                log.warning("refused a replica connection from %s: it names rank %d -> %d of "
+                            "generation %d; expected one of %s -> %d of generation %d", peer, src,
+                            dst, gen, sorted(expected - set(recv_from)), me, generation)  # fmt: skip
+                continue
+            recv_from[src] = sock
+    except BaseException:
+        for sock in [*send_to.values(), *recv_from.values()]:
+            sock.close()
+        raise
+    finally:
+        listener.close()
+    log.info("replica ring of generation %d over tcp: sending to rank(s) %s, receiving from %s",
+             generation, sorted(send_to), sorted(recv_from))  # fmt: skip
+    return send_to, recv_from
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed before its hello")
+        data += chunk
+    return data
+
+
+class _Op:
+    """One posted send or receive: the tensor's bytes and how far it got."""
+
+    __slots__ = ("tensor", "view", "offset", "error")
+
+    def __init__(self, tensor: torch.Tensor):
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("the tcp transport moves contiguous host tensors only")
+        self.tensor = tensor  # keeps the memory alive while the op is open
+        self.view = (
+            memoryview(tensor.view(torch.uint8).reshape(-1).numpy())
+            if tensor.numel()
+            else memoryview(b"")
+        )
+        self.offset = 0
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.offset >= len(self.view)
+
+
+class TcpWork:
+    """A posted operation's handle: `wait()` drives the transport until it is done."""
+
+    def __init__(self, transport: TcpTransport, op: _Op):
+        self._transport = transport
+        self._op = op
+
+    def wait(self) -> bool:
+        self._transport._drive(self._op)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._op.done or self._op.error is not None
+
+
+class TcpTransport(Transport):
+    """Point-to-point over one connection per ring edge and direction (see the module). Only
+    the thread that posts operations drives them (in `wait`); `abort` may come from any
+    thread. Operations on one connection complete in the order they were posted."""
+
+    def __init__(
+        self,
+        send_to: Mapping[int, socket.socket],
+        recv_from: Mapping[int, socket.socket],
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._send_to = dict(send_to)
+        self._recv_from = dict(recv_from)
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._sends: dict[int, deque[_Op]] = {dst: deque() for dst in self._send_to}
+        self._recvs: dict[int, deque[_Op]] = {src: deque() for src in self._recv_from}
+        self._failed: dict[tuple[str, int], BaseException] = {}
+        self._aborted = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._closed = False
+        for sock in self._sockets():
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for sock in self._send_to.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        for sock in self._recv_from.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+
+    def _sockets(self) -> list[socket.socket]:
+        return [*self._send_to.values(), *self._recv_from.values()]
+
+    # -- Transport ------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, dst: int) -> TcpWork:
+        return self._post(tensor, "send", dst, self._sends)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> TcpWork:
+        return self._post(tensor, "receive", src, self._recvs)
+
+    def abort(self) -> None:
+        """End every connection now: a wait in progress, and every later one, raises."""
+        self._aborted.set()
+        for sock in self._sockets():
+            with contextlib.suppress(OSError):  # not connected any more
+                sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        """Close the connections (by the thread that drove them, once it is done)."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._sockets():
+            sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the progress engine --------------------------------------------------------------
+    def _post(self, tensor: torch.Tensor, kind: str, peer: int, queues: dict) -> TcpWork:
+        if peer not in queues:
+            raise ValueError(f"no replica connection to {kind} {'to' if kind == 'send' else 'from'} "
+                             f"rank {peer}: connections to {sorted(queues)}")  # fmt: skip
+        op = _Op(tensor)
+        failed = self._failed.get((kind, peer))
+        if failed is not None:
+            op.error = failed
+        elif not op.done:
+            queues[peer].append(op)
+        return TcpWork(self, op)
+
+    def _drive(self, target: _Op) -> None:
+        """Move bytes on every connection with something posted until `target` is done."""
+        last_progress = self._clock()
+        while True:
+            if self._aborted.is_set():
+                raise TransportAborted("the replica transport was aborted")
+            if target.error is not None:
+                raise target.error
+            if target.done:
+                return
+            poller = select.poll()
+            poller.register(self._wake_r, select.POLLIN)
+            by_fd = {}
+            for kind, queues, conns, mask in (("receive", self._recvs, self._recv_from, select.POLLIN),
+                                              ("send", self._sends, self._send_to, select.POLLOUT)):  # fmt: skip
+                for peer, queue in queues.items():
+                    if queue:
+                        sock = conns[peer]
+                        by_fd[sock.fileno()] = (kind, peer, sock, queue)
+                        poller.register(sock, mask)
+            left = self.timeout_s - (self._clock() - last_progress)
+            if left <= 0:
+                peers = ", ".join(f"{k} {'to' if k == 'send' else 'from'} rank {p}"
+                                  for k, p, _, _ in by_fd.values())  # fmt: skip
+                raise TimeoutError(f"Timed out waiting: no byte moved for {self.timeout_s:g} s "
+                                   f"on the replica connections ({peers})")  # fmt: skip
+            moved = False
+            for fd, _events in poller.poll(min(left, 1.0) * 1000):
+                if fd == self._wake_r:
+                    continue
+                kind, peer, sock, queue = by_fd[fd]
+                try:
+                    moved |= self._step(kind, peer, sock, queue)
+                except OSError as err:
+                    self._fail(kind, peer, queue, err)
+            if moved:
+                last_progress = self._clock()
+
+    def _step(self, kind: str, peer: int, sock: socket.socket, queue: deque[_Op]) -> bool:
+        op = queue[0]
+        try:
+            if kind == "send":
+                n = sock.send(op.view[op.offset :])
+            else:
+                n = sock.recv_into(op.view[op.offset :])
+                if n == 0:
+                    raise ConnectionResetError("end of stream")
+        except (BlockingIOError, InterruptedError):
+            return False
+        op.offset += n
+        if op.done:
+            queue.popleft()
+        return n > 0
+
+    def _fail(self, kind: str, peer: int, queue: deque[_Op], err: OSError) -> None:
+        """A connection broke: every operation posted on it, and every later one, fails. The
+        message says "Connection closed by peer", as gloo's do: it is evidence against the
+        peer, not against this rank (failure/evidence.py)."""
+        error = ConnectionError(f"replica {kind} {'to' if kind == 'send' else 'from'} rank "
+                                f"{peer}: Connection closed by peer ({type(err).__name__}: "
+                                f"{err})")  # fmt: skip
+        self._failed[(kind, peer)] = error
+        while queue:
+            queue.popleft().error = error
