@@ -165,11 +165,11 @@ class DeadpoolConfig:
     )
     deadpool_snapshot_interval: int = knob(1, "Iterations between snapshots.")
     deadpool_transport: str = knob(
-        "gloo",
-        "How replicas travel the DP ring: gloo (a gloo group per ring edge) or tcp (a plain "
-        "TCP connection per edge and direction, on the interface that routes to MASTER_ADDR, "
-        "which a recovery's stop ends at once; gloo can leave the replication thread waiting "
-        "until --distributed-timeout-minutes after a transfer cut mid-message).",
+        "tcp",
+        "How replicas travel the DP ring: tcp (a plain TCP connection per ring edge and "
+        "direction, on the interface that routes to MASTER_ADDR, which a recovery's stop ends "
+        "at once) or gloo (a gloo group per ring edge; gloo can leave the replication thread "
+        "waiting until --distributed-timeout-minutes after a transfer cut mid-message).",
         choices=("gloo", "tcp"),
     )
     deadpool_heartbeat_interval: float = knob(

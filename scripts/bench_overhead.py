@@ -9,7 +9,8 @@ per-window medians, the snapshot (device-to-host copy, checksum) and replication
 iteration, bytes per iteration and the maximum replica lag, writes JSON and a PNG, and ends
 with one JSON line: {"median_iter_ms_off", "median_iter_ms_on", "ratio", "transport" (the
 transport with the lower ratio, whose figures these are), "ratio_gloo", "ratio_tcp",
-"replica_lag_max", "stall_ms", "protection_cpu_ms", ...}. The two costs are measured apart: the stall is the time the
+"ratio_by_neighbours" (each on window against the off windows beside it: robust to a machine
+whose speed drifts during the run), "replica_lag_max", "stall_ms", "protection_cpu_ms", ...}. The two costs are measured apart: the stall is the time the
 training thread itself spends on protection per iteration (the fence waiting for the previous
 copy, starting the next); the CPU cost is what the snapshot and replication threads burn (copy,
 checksum, posting sends) plus the stall, which on a CPU node whose cores all compute is wall
@@ -205,6 +206,8 @@ def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
     median_off = statistics.median(off)
     by_transport = {t: _transport_figures(a, ranks, t, per_iter, state, cpu, median_off)
                     for t in a.transports}  # fmt: skip
+    for t, figures in by_transport.items():
+        figures["ratio_by_neighbours"] = _ratio_by_neighbours(windows, t)
     best = min(a.transports, key=lambda t: by_transport[t]["ratio"])
     first = ranks[0]["transports"][a.transports[0]]
     return {
@@ -222,6 +225,21 @@ def summarize(a: argparse.Namespace, ranks: list[dict]) -> dict:
         "per_iteration_ms": {str(i): max(v) for i, v in sorted(per_iter.items())},
         "per_iteration_on": {str(i): state[i] for i in sorted(state)},
     }
+
+
+def _ratio_by_neighbours(windows: list[dict], transport: str) -> float:
+    """The median over `transport`'s windows of each one's median against the mean of the off
+    windows on either side of it: a machine whose speed drifts during the run (seen here: 4.0
+    to 2.8 s per iteration in one run) skews the plain ratio of medians towards whichever
+    transport's windows come later, not this one."""
+    ratios = []
+    for i, w in enumerate(windows):
+        if w["on"] != transport:
+            continue
+        around = [windows[j]["median_ms"] for j in (i - 1, i + 1)
+                  if 0 <= j < len(windows) and windows[j]["on"] is None]  # fmt: skip
+        ratios.append(w["median_ms"] / statistics.mean(around))
+    return round(statistics.median(ratios), 4)
 
 
 def _transport_figures(a, ranks, t, per_iter, state, cpu, median_off) -> dict:
@@ -324,7 +342,8 @@ def main(argv=None) -> int:
           f"off {summary['median_iter_ms_off']} ms")  # fmt: skip
     for t, f in summary["by_transport"].items():
         print(
-            f"{t}: ratio {f['ratio']} (on {f['median_iter_ms_on']} ms; copy "
+            f"{t}: ratio {f['ratio']}, by neighbouring windows {f['ratio_by_neighbours']} "
+            f"(on {f['median_iter_ms_on']} ms; copy "
             f"{f['snapshot_copy_ms']} ms, checksum {f['snapshot_checksum_ms']} ms, replicate "
             f"{f['replicate_ms']} ms); lag max {f['replica_lag_max']}; training-thread stall "
             f"{f['stall_ms']} ms/iteration ({f['stall_pct_of_iteration']}%), protection CPU "
@@ -333,7 +352,7 @@ def main(argv=None) -> int:
         )
     print(f"results in {out} and {out.with_suffix('.png')}")
     keys = ("median_iter_ms_off", "median_iter_ms_on", "ratio", "transport",
-            *(f"ratio_{t}" for t in a.transports), "replica_lag_max",
+            *(f"ratio_{t}" for t in a.transports), "ratio_by_neighbours", "replica_lag_max",
             "snapshot_copy_ms", "snapshot_checksum_ms", "replicate_ms", "background_cpu_ms_per_iter",
             "cpu_ms_per_iter_off", "cpu_ms_per_iter_on", "predicted_ratio_from_cpu",
             "stall_ms", "stall_pct_of_iteration", "protection_cpu_ms", "process_cpu_extra_ms",

@@ -19,6 +19,7 @@ generation is refused.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import select
@@ -60,14 +61,37 @@ def listen(host: str) -> socket.socket:
     return sock
 
 
-def reachable_host(peer_host: str) -> str:
-    """This machine's address on the interface that routes to `peer_host` (the job's
+def reachable_host(master_addr: str) -> str:
+    """This machine's address on the interface that routes to `master_addr` (the job's
     MASTER_ADDR, on the cluster network): a UDP socket's connect chooses it without sending
-    anything."""
-    info = socket.getaddrinfo(peer_host, 1, type=socket.SOCK_DGRAM)[0]
+    anything. On the master's own node, where MASTER_ADDR is the node's name and /etc/hosts
+    maps that to a loopback address (Debian's 127.0.1.1), peers on other nodes could not reach
+    that: the address the default route leaves from is taken instead (if there is one)."""
+    addr = _route_to(master_addr)
+    if ipaddress.ip_address(addr).is_loopback and not _names_loopback(master_addr):
+        with contextlib.suppress(OSError):
+            return _route_to(OUTSIDE)
+    return addr
+
+
+OUTSIDE = "198.18.0.1"  # RFC 2544's benchmarking range: routed by the default route, never sent to
+
+
+def _route_to(host: str) -> str:
+    info = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
     with socket.socket(info[0], socket.SOCK_DGRAM) as probe:
         probe.connect(info[4])
         return probe.getsockname()[0]
+
+
+def _names_loopback(host: str) -> bool:
+    """`localhost`, or a loopback address written out: a job on one machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name
 
 
 def connect_ring(

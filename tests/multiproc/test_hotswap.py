@@ -126,8 +126,8 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
 
 
 def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
-    # --deadpool-transport tcp: rank 3 dies while its replication thread sends, rank 0 fails
-    # transiently later; the new generation's ring is connected anew each time.
+    # --deadpool-transport tcp (the default): rank 3 dies while its replication thread sends,
+    # rank 0 fails transiently later; the new generation's ring is connected anew each time.
     spec = "kill@3:5:replicate,raise@0:8"
     result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1,
                           extra=["--deadpool-transport", "tcp"])  # fmt: skip
@@ -381,12 +381,11 @@ def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, b
     assert done["replaced"] == {"1": "spare-0", "2": "spare-1"}
 
 
-def test_two_replicas_over_tcp_connections_serve_adjacent_ranks_lost_together(
-    tmp_path, baseline_dp4
-):
-    # Two successors and two predecessors per rank: four connections each, every generation.
+def test_two_replicas_over_gloo_groups_serve_adjacent_ranks_lost_together(tmp_path, baseline_dp4):
+    # --deadpool-transport gloo (the other tests' replicas go over tcp, the default): a gloo
+    # group per ring edge, two successors and two predecessors per rank.
     result, events = _run(tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2,
-                          extra=["--deadpool-replicas", "2", "--deadpool-transport", "tcp"])  # fmt: skip
+                          extra=["--deadpool-replicas", "2", "--deadpool-transport", "gloo"])  # fmt: skip
     _assert_same_run(result, baseline_dp4)
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"1": "spare-0", "2": "spare-1"}

@@ -115,6 +115,7 @@ def test_overhead_benchmark_compares_the_transports_in_one_run(tmp_path):
     last = json.loads(done.stdout.strip().splitlines()[-1])
     assert last["transport"] in ("gloo", "tcp")
     assert last["ratio"] == min(last["ratio_gloo"], last["ratio_tcp"])
+    assert last["ratio_by_neighbours"] > 0
     summary = json.loads(out.read_text())
     assert [w["on"] for w in summary["windows"]] == [None, "gloo", None, "tcp"]
     for figures in summary["by_transport"].values():

@@ -7,6 +7,7 @@ ends at once here."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
@@ -21,9 +22,11 @@ from deadpool_megatron.checkpoint.replicator import FLAG_DATA, HEADER
 from deadpool_megatron.checkpoint.tcp_transport import (
     HELLO,
     MAGIC,
+    OUTSIDE,
     Address,
     TcpTransport,
     TransportAborted,
+    _route_to,
     connect_ring,
     listen,
     reachable_host,
@@ -225,5 +228,22 @@ def test_set_up_names_the_predecessor_that_never_connected():
 
 
 def test_the_advertised_host_is_the_one_that_routes_to_the_master():
-    assert reachable_host("127.0.0.1") == "127.0.0.1"
+    assert reachable_host("127.0.0.1") == "127.0.0.1"  # a job on one machine
     assert reachable_host("localhost") in ("127.0.0.1", "::1")
+
+
+def test_on_the_masters_node_a_name_that_resolves_to_loopback_advertises_the_default_route():
+    """MASTER_ADDR is node 0's own name; its /etc/hosts maps it to a loopback address, which
+    ranks on other nodes cannot connect to: the default route's address is advertised, and a
+    listener there takes connections."""
+    name = socket.gethostname()
+    if not ipaddress.ip_address(socket.gethostbyname(name)).is_loopback:
+        pytest.skip(f"this machine's name {name!r} does not resolve to a loopback address")
+    try:
+        expected = _route_to(OUTSIDE)
+    except OSError:
+        pytest.skip("no default route here")
+    host = reachable_host(name)
+    assert host == expected and not ipaddress.ip_address(host).is_loopback
+    with listen(host) as listener, socket.create_connection(listener.getsockname(), timeout=5):
+        pass
