@@ -167,8 +167,8 @@ class DeadpoolConfig:
     deadpool_transport: str = knob(
         "tcp",
         "How replicas travel the DP ring: tcp (a plain TCP connection per ring edge and "
-        "direction, on the interface that routes to MASTER_ADDR, which a recovery's stop ends "
-        "at once) or gloo (a gloo group per ring edge; gloo can leave the replication thread "
+        "direction, on the interface GLOO_SOCKET_IFNAME names or else the one that routes to "
+        "MASTER_ADDR, which a recovery's stop ends at once) or gloo (a gloo group per ring edge; gloo can leave the replication thread "
         "waiting until --distributed-timeout-minutes after a transfer cut mid-message).",
         choices=("gloo", "tcp"),
     )

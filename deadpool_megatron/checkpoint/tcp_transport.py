@@ -19,6 +19,7 @@ generation is refused.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import logging
 import os
@@ -74,6 +75,21 @@ def reachable_host(master_addr: str) -> str:
     return addr
 
 
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` (as GLOO_SOCKET_IFNAME names one); a
+    ValueError naming it if it has none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            ifreq = fcntl.ioctl(
+                probe.fileno(), SIOCGIFADDR, struct.pack("256s", name[:15].encode())
+            )
+        except OSError as err:
+            raise ValueError(f"network interface {name!r} has no IPv4 address here ({err}); "
+                             f"GLOO_SOCKET_IFNAME names the interface ranks reach each other on") from None  # fmt: skip
+    return socket.inet_ntoa(ifreq[20:24])
+
+
+SIOCGIFADDR = 0x8915  # linux/sockios.h
 OUTSIDE = "198.18.0.1"  # RFC 2544's benchmarking range: routed by the default route, never sent to
 
 
@@ -224,6 +240,7 @@ class TcpTransport(Transport):
         self._recvs: dict[int, deque[_Op]] = {src: deque() for src in self._recv_from}
         self._failed: dict[tuple[str, int], BaseException] = {}
         self._aborted = threading.Event()
+        self._lock = threading.Lock()  # `abort` (any thread) against `close`
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._closed = False
@@ -248,21 +265,25 @@ class TcpTransport(Transport):
     def abort(self) -> None:
         """End every connection now: a wait in progress, and every later one, raises."""
         self._aborted.set()
-        for sock in self._sockets():
-            with contextlib.suppress(OSError):  # not connected any more
-                sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        with self._lock:  # after `close`, the descriptors' numbers may be another file's
+            if self._closed:
+                return
+            for sock in self._sockets():
+                with contextlib.suppress(OSError):  # not connected any more
+                    sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
 
     def close(self) -> None:
         """Close the connections (by the thread that drove them, once it is done)."""
-        if self._closed:
-            return
-        self._closed = True
-        for sock in self._sockets():
-            sock.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for sock in self._sockets():
+                sock.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # -- the progress engine --------------------------------------------------------------
     def _post(self, tensor: torch.Tensor, kind: str, peer: int, queues: dict) -> TcpWork:

@@ -7,6 +7,7 @@ sizes of every predecessor are set up here, once per generation.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
 
@@ -47,8 +48,10 @@ def build_pipeline(
     k = cfg.deadpool.deadpool_replicas
     ring = parallel.dp_group()
     if cfg.deadpool.deadpool_transport == "tcp":
+        # The interface gloo is told to use, if any (its first, when several are named).
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0] or None
         transport = tcp_ring(topo, k, ring, env.master_addr, generation,
-                             cfg.system.distributed_timeout_minutes * 60)  # fmt: skip
+                             cfg.system.distributed_timeout_minutes * 60, ifname)  # fmt: skip
     else:
         transport = GlooTransport(parallel.ring_pairs(topo, k), gloo_ops.OpenWork)
     coords = topo.coords(rank)
@@ -86,12 +89,19 @@ def tcp_ring(
     master_addr: str,
     generation: int,
     timeout_s: float,
+    interface: str | None = None,
 ) -> Transport:
     """Connections to this rank's ring successors and from its predecessors: each member
-    listens on a fresh port of the interface that routes to MASTER_ADDR, the ring's members
-    exchange their addresses (a collective of the training thread), then connect."""
+    listens on a fresh port of `interface` (a network interface's name), or else of the
+    interface that routes to MASTER_ADDR; the ring's members exchange their addresses (a
+    collective of the training thread), then connect."""
     rank = dist.get_rank()
-    listener = tcp_transport.listen(tcp_transport.reachable_host(master_addr))
+    host = (
+        tcp_transport.interface_address(interface)
+        if interface
+        else tcp_transport.reachable_host(master_addr)
+    )
+    listener = tcp_transport.listen(host)
     try:
         addresses = all_gather_ints(_encode(listener.getsockname()), ring)
     except BaseException:

@@ -8,6 +8,7 @@ ends at once here."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import threading
 import time
@@ -28,6 +29,7 @@ from deadpool_megatron.checkpoint.tcp_transport import (
     TransportAborted,
     _route_to,
     connect_ring,
+    interface_address,
     listen,
     reachable_host,
 )
@@ -186,6 +188,25 @@ def test_an_abort_from_another_thread_wakes_a_wait():
         t.close()
 
 
+def test_an_abort_after_close_touches_no_descriptor():
+    """The replication thread closes its transport when it ends; a recovery's stop aborts it
+    later: the closed descriptors' numbers may belong to other files by then."""
+    transports = _ring(2)
+    held = transports[0]._wake_w  # the number its abort would write to
+    transports[0].close()
+    r, w = os.pipe()
+    os.dup2(w, held)  # another file takes the number
+    try:
+        transports[0].abort()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing was written into it
+    finally:
+        for fd in (r, w, held):
+            os.close(fd)
+        transports[1].close()
+
+
 def test_a_wait_with_no_byte_moving_times_out_by_its_clock():
     listener = listen("127.0.0.1")
     peer = socket.create_connection(listener.getsockname())
@@ -247,3 +268,9 @@ def test_on_the_masters_node_a_name_that_resolves_to_loopback_advertises_the_def
     assert host == expected and not ipaddress.ip_address(host).is_loopback
     with listen(host) as listener, socket.create_connection(listener.getsockname(), timeout=5):
         pass
+
+
+def test_gloo_socket_ifname_names_the_interface_to_listen_on():
+    assert interface_address("lo") == "127.0.0.1"
+    with pytest.raises(ValueError, match="'no-such-if0' has no IPv4 address"):
+        interface_address("no-such-if0")
