@@ -12,8 +12,9 @@ failure is run again with --deadpool-keep-model, where survivors keep their mode
 optimizer and only swap their process groups (--no-keep-model-run skips it; a run of it that
 fails is recorded, not fatal), and once more with the spare's model also built while it was
 idle (--deadpool-spare-prebuild: nobody builds during the recovery; --no-prebuilt-run skips
-it). A least-squares line per phase (seconds = a + b x processes)
-says what grows.
+it), and once with the ring's replicas over gloo groups instead of TCP connections
+(--deadpool-transport gloo, the way before 2026-12-03; --no-gloo-run skips it). A
+least-squares line per phase (seconds = a + b x processes) says what grows.
 
     python scripts/bench_recovery_scale.py                   # 4, 8, 16, 32 processes
     python scripts/bench_recovery_scale.py --nprocs 4,8      # a quick look
@@ -21,7 +22,8 @@ says what grows.
 Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": {N: s},
 "growth_8_to_32", "first_iteration_ratio", "recovery_cpu_s" (the busiest process's CPU seconds
 over the recovery, which oversubscription does not inflate), "cpu_growth_8_to_32",
-"phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt", ...}.
+"phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt",
+"recovery_s_gloo", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
 """
 
@@ -57,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the jobs whose survivors keep their model")  # fmt: skip
     p.add_argument("--no-prebuilt-run", action="store_true",
                    help="skip the jobs in which nobody builds (models kept and prebuilt)")  # fmt: skip
+    p.add_argument("--no-gloo-run", action="store_true",
+                   help="skip the jobs whose replicas go over gloo groups")  # fmt: skip
     p.add_argument(
         "--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"), type=results_file
     )
@@ -83,10 +87,11 @@ def job(
     failure: bool,
     keep: bool = False,
     prebuilt: bool = False,
+    transport: str | None = None,
 ) -> dict:
     """One job of n processes (+1 spare); returns its phases, iteration time and digest.
     With `keep`, survivors keep their model through the recovery; with `prebuilt`, the spare
-    also built every rank's while idle."""
+    also built every rank's while idle; `transport`: --deadpool-transport (None: default)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
     metrics.unlink(missing_ok=True)
@@ -104,6 +109,8 @@ def job(
         flags.append("--deadpool-keep-model")
     if prebuilt:
         flags += ["--deadpool-spare-prebuild", str(n)]
+    if transport:
+        flags += ["--deadpool-transport", transport]
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(n),
            "--spares", "1", str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
     start = time.time()
@@ -132,14 +139,20 @@ def job(
 
 
 def keep_model_run(
-    a: argparse.Namespace, n: int, work: Path, digest: str | None, prebuilt: bool = False
-) -> dict:
+    a: argparse.Namespace, n: int, work: Path, digest: str | None, prebuilt: bool = False,
+    transport: str | None = None,
+) -> dict:  # fmt: skip
     """The same failure with --deadpool-keep-model (and with `prebuilt`, the spare's model
-    built while idle); a job that fails is recorded as such."""
-    what = "nobody building" if prebuilt else "survivors keeping their model"
+    built while idle), or else (`transport`) every process building with the ring's replicas
+    over that transport; a job that fails is recorded as such."""
+    if transport:
+        what, folder, keep = f"replicas over {transport}", transport, False
+    else:
+        what = "nobody building" if prebuilt else "survivors keeping their model"
+        folder, keep = ("prebuilt" if prebuilt else "keep"), True
     try:
-        kept = job(a, n, work / f"n{n}" / ("prebuilt" if prebuilt else "keep"), failure=True,
-                   keep=True, prebuilt=prebuilt)  # fmt: skip
+        kept = job(a, n, work / f"n{n}" / folder, failure=True, keep=keep, prebuilt=prebuilt,
+                   transport=transport)  # fmt: skip
     except SystemExit as why:
         print(f"{n:>3} processes, {what}: FAILED ({why})", flush=True)
         return {"failed": str(why)}
@@ -206,6 +219,7 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         # with the spare's model also built while it was idle: nobody builds.
         **_variant(runs, counts, "keep", "keep_model"),
         **_variant(runs, counts, "prebuilt", "prebuilt"),
+        **_variant(runs, counts, "gloo", "gloo"),
         "shape": "TP1xPP2xDP(N/2), 1 spare",
         "hidden_size": a.hidden_size,
         "num_layers": a.num_layers,
@@ -250,6 +264,7 @@ def plot(summary: dict, path: Path) -> None:
     for key, style, label in (
         ("recovery_s_keep_model", "kx--", "--deadpool-keep-model: survivors keep their model"),
         ("recovery_s_prebuilt", "r^:", "... and the spare's model built while idle"),
+        ("recovery_s_gloo", "bs-.", "every process builds, replicas over gloo groups"),
     ):
         line = {n: s for n, s in (summary.get(key) or {}).items() if s}
         if line:
@@ -257,7 +272,7 @@ def plot(summary: dict, path: Path) -> None:
             ax.plot(xs, [line[str(counts[i])] for i in xs], style, label=label)
     ax.set_xlabel("processes (TP1 x PP2 x DP N/2)")
     ax.set_ylabel("failure to first resumed iteration (s)")
-    ax.set_title("Hot-swap recovery by job size (CPU, gloo, one killed rank)\n"
+    ax.set_title("Hot-swap recovery by job size (CPU, gloo, replicas over tcp, one killed rank)\n"
                  "bars: each phase's slowest rank (ranks wait for each other, so phases overlap); "
                  "labels: failure to first resumed iteration", fontsize=9)  # fmt: skip
     ax.legend(fontsize=7, ncol=2)
@@ -283,6 +298,8 @@ def main(argv=None) -> int:
             failed["keep"] = keep_model_run(a, n, work, digest)
         if not a.no_prebuilt_run:
             failed["prebuilt"] = keep_model_run(a, n, work, digest, prebuilt=True)
+        if not a.no_gloo_run:
+            failed["gloo"] = keep_model_run(a, n, work, digest, transport="gloo")
         runs[n] = failed
         ph = failed["phases"]
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
