@@ -40,6 +40,7 @@ log = logging.getLogger("deadpool.replicate")
 
 HELLO = struct.Struct("<8sqqq")  # magic, sender's rank, receiver's rank, generation
 MAGIC = b"DPREPL01"
+HELLO_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 << 20  # a replica part (replicator.CHUNK_BYTES) in flight at once
 
 
@@ -143,7 +144,9 @@ def connect_ring(
                     f"rank {me}: no replica connection from rank(s) "
                     f"{sorted(expected - set(recv_from))} within {timeout_s:g} s"
                 ) from None
-            sock.settimeout(max(deadline - clock(), 0.001))
+            # A peer sends its hello as it connects: one that does not is not a peer, and
+            # must not hold the accept of the one behind it until the deadline.
+            sock.settimeout(max(min(deadline - clock(), HELLO_TIMEOUT_S), 0.001))
             try:
                 magic, src, dst, gen = HELLO.unpack(_read_exactly(sock, HELLO.size))
             except (OSError, ConnectionError) as err:

@@ -104,10 +104,14 @@ def tcp_ring(
     listener = tcp_transport.listen(host)
     try:
         addresses = all_gather_ints(_encode(listener.getsockname()), ring)
+        members = dict(zip(dist.get_process_group_ranks(ring), map(_decode, addresses),
+                           strict=True))  # fmt: skip
+        if sorted(members) != sorted(topo.dp_group(rank)):
+            raise RuntimeError(f"megatron-core's DP group {sorted(members)} differs from the "
+                               f"ring {topo.dp_group(rank)}: unsupported rank order")  # fmt: skip
     except BaseException:
-        listener.close()
+        listener.close()  # connect_ring closes it otherwise
         raise
-    members = dict(zip(dist.get_process_group_ranks(ring), map(_decode, addresses), strict=True))
     send_to, recv_from = tcp_transport.connect_ring(
         rank,
         generation,

@@ -18,6 +18,7 @@ import torch
 from test_replication_stop import NBYTES, OneTensor
 from waiting import until
 
+from deadpool_megatron.checkpoint import tcp_transport
 from deadpool_megatron.checkpoint.pipeline import ProtectionPipeline
 from deadpool_megatron.checkpoint.replicator import FLAG_DATA, HEADER
 from deadpool_megatron.checkpoint.tcp_transport import (
@@ -34,6 +35,7 @@ from deadpool_megatron.checkpoint.tcp_transport import (
     reachable_host,
 )
 from deadpool_megatron.failure.evidence import is_peer_loss_message
+from deadpool_megatron.process.protection import _decode, _encode
 
 
 def _ring(n: int, generation: int = 3, timeout_s: float = 10.0) -> list[TcpTransport]:
@@ -274,3 +276,24 @@ def test_gloo_socket_ifname_names_the_interface_to_listen_on():
     assert interface_address("lo") == "127.0.0.1"
     with pytest.raises(ValueError, match="'no-such-if0' has no IPv4 address"):
         interface_address("no-such-if0")
+
+
+def test_a_silent_stranger_does_not_hold_the_expected_predecessor(monkeypatch):
+    monkeypatch.setattr(tcp_transport, "HELLO_TIMEOUT_S", 0.2)
+    listener = listen("127.0.0.1")
+    silent = socket.create_connection(listener.getsockname())  # connects, says nothing
+    good = socket.create_connection(listener.getsockname())
+    good.sendall(HELLO.pack(MAGIC, 0, 1, 0))
+    started = time.monotonic()
+    _, recv_from = connect_ring(1, 0, listener, {}, [0], 30.0)
+    assert list(recv_from) == [0] and time.monotonic() - started < 10
+    for s in (silent, good, *recv_from.values()):
+        s.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.1.2.3", "::1", "fe80::1:2"])
+def test_listener_addresses_survive_the_fixed_layout_exchange(host):
+    """Addresses travel as integers (one all-gather of equal-length rows): both families."""
+    encoded = _encode((host, 41234))
+    assert len(encoded) == 18
+    assert _decode(encoded) == Address(host, 41234)
