@@ -10,12 +10,13 @@ iteration, bytes per iteration and the maximum replica lag, writes JSON and a PN
 with one JSON line: {"median_iter_ms_off", "median_iter_ms_on", "ratio", "transport" (the
 transport with the lower ratio, whose figures these are), "ratio_gloo", "ratio_tcp",
 "ratio_by_neighbours" (each on window against the off windows beside it: robust to a machine
-whose speed drifts during the run), "replica_lag_max", "stall_ms", "protection_cpu_ms", ...}. The two costs are measured apart: the stall is the time the
-training thread itself spends on protection per iteration (the fence waiting for the previous
-copy, starting the next); the CPU cost is what the snapshot and replication threads burn (copy,
-checksum, posting sends) plus the stall, which on a CPU node whose cores all compute is wall
-time too; gloo's I/O threads come on top (in process_cpu_extra_ms, the on-minus-off difference
-of the whole process's CPU time, a noisier figure).
+whose speed drifts during the run), "replica_lag_max", "stall_ms", "protection_cpu_ms", ...}.
+The two costs are measured apart: the stall is the time the training thread itself spends on
+protection per iteration (the fence waiting for the previous copy, starting the next); the CPU
+cost is what the snapshot and replication threads burn (copy, checksum, posting sends; over
+tcp, the sends themselves) plus the stall, which on a CPU node whose cores all compute is wall
+time too; gloo's I/O threads come on top (in process_cpu_extra_ms, the on-minus-off
+difference of the whole process's CPU time, a noisier figure).
 
     python scripts/bench_overhead.py                     # 2 CPU ranks (DP2), 41 MB shards
     python scripts/bench_overhead.py --transports gloo   # one transport, 8 windows
