@@ -39,12 +39,15 @@ def one_kill(mib: int) -> float:
     """Milliseconds from a child's SIGKILL of itself, with `mib` MiB touched, to its reaping."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: touch every page, say when, die
-        memory = bytearray(mib << 20)
-        for i in range(0, len(memory), 4096):
-            memory[i] = 1
-        os.write(w, repr(time.time()).encode().ljust(32))
-        os.kill(os.getpid(), signal.SIGKILL)
+    if pid == 0:  # the child: touch every page, say when, die (and never return)
+        try:
+            memory = bytearray(mib << 20)
+            for i in range(0, len(memory), 4096):
+                memory[i] = 1
+            os.write(w, repr(time.time()).encode().ljust(32))
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+            os._exit(1)
     os.close(w)
     killed_at = float(os.read(r, 32).decode())
     os.waitpid(pid, 0)
