@@ -515,7 +515,8 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
     if dpc.deadpool_inject:
         spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
         parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
-                     spares=int(spares) if spares is not None else None)  # fmt: skip
+                     spares=int(spares) if spares is not None else None,
+                     last_iteration=cfg.training.train_iters)  # fmt: skip
     _require(
         dpc.deadpool_spare_prebuild >= 0,
         f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "

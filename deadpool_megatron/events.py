@@ -32,6 +32,7 @@ CHECKPOINT_LOADED = "checkpoint_loaded"
 JOB_RESTART = "job_restart"  # checkpoint-restart: every process stopped, the job starts again
 RECOVERY_STARTED = "recovery_started"
 RECOVERY_PHASE = "recovery_phase"  # one per phase, with duration_s
+RECOVERY_UNNEEDED = "recovery_unneeded"  # the failure came after training had finished
 RECOVERY_DONE = "recovery_done"  # total_s: failure to the first resumed iteration finished
 
 

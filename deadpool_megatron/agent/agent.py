@@ -30,6 +30,8 @@ from ..control.messages import (
     JobIdentity,
     Member,
     Membership,
+    PlanDecision,
+    RankLost,
     RecoveryOrder,
     Registration,
     RestartOrder,
@@ -66,6 +68,7 @@ from .settings import LaunchSettings
 
 log = logging.getLogger("deadpool.launch")
 
+SUCCEEDED = "all workers succeeded"  # how a job that ran to its end without a late failure ends
 RESTART = -1  # watch() asks its caller to watch the restarted job
 POLL_S = 0.02
 STORE_LOOK_S = 0.1  # other nodes' leases, orders and restarts: store reads, not every poll
@@ -268,9 +271,14 @@ class Agent:
         return self.children.spawn(ROLE_SPARE, start.index, start.local_rank, env,
                                    self.extra_args)  # fmt: skip
 
-    def _stop(self, stop: Stop | None) -> int | None:
+    def _stop(self, stop: Stop | None, run: Run) -> int | None:
         if stop is None:
             return None
+        if stop.finished:
+            # Every rank finished training or failed after it: whoever planned that says so
+            # for all (a failed rank never counts itself done), then each node finishes.
+            self.ctx.put(keys.job_finished(self.job_id), Flag("training finished before a failure"))
+            return self.finish(run, stop.reason)
         return self.restart(stop.reason) if stop.restart else self._end(stop.reason)
 
     def watch(self) -> int:
@@ -343,7 +351,7 @@ class Agent:
                 return rc
         generation = self.ctx.generation + 1
         if self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder) is not None:
-            return self._stop(self.swap.follow(generation))
+            return self._stop(self.swap.follow(generation), run)
         if not run.workers and self.ctx.get(keys.job_finished(self.job_id), Flag) is not None:
             return self.finish(run)  # a node without ranks (a spare node) ends with the job
         return None
@@ -376,7 +384,7 @@ class Agent:
         permanent = {c.rank} if response.replace else set()
         failed_at = detection.injected_at or c.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
-        return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases))
+        return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases), run)
 
     def _node_lost(self, beat: AgentBeat, run: Run) -> int | None:
         """Another node's lease lapsed: its agent and processes are gone (or cut off, and
@@ -407,7 +415,7 @@ class Agent:
             )
             return self._end(f"loss of {what}")
         phases = {"detect": time.time() - beat.at}
-        return self._stop(self.swap.recover(set(ranks), f"{what} lost", beat.at, phases))
+        return self._stop(self.swap.recover(set(ranks), f"{what} lost", beat.at, phases), run)
 
     def _on_suspect(self, rank: int, reason: str) -> None:
         """A late heartbeat from a process that is still progressing: say so, never fence."""
@@ -489,7 +497,7 @@ class Agent:
         self.events.emit(JOB_ENDED, status=1, reason=reason)
         return 1
 
-    def finish(self, run: Run) -> int:
+    def finish(self, run: Run, reason: str = SUCCEEDED) -> int:
         """This node's workers succeeded (or it has none and the job is done): tell the
         spares once every rank is done."""
         finished = keys.job_finished(self.job_id)
@@ -497,9 +505,20 @@ class Agent:
             self.world_size
         ):
             self.ctx.put(finished, Flag("agent"))
+        told: set[int] = set()
+
+        def poll() -> Flag | RestartOrder | PlanDecision | None:
+            order = self.ctx.get(keys.restart(self.fault_scope, self.restarts + 1), RestartOrder)
+            return self.ctx.get(finished, Flag) or order or self._answer_late(run, told)
+
         try:
-            wait_until(lambda: self.ctx.get(finished, Flag), FINISH_TIMEOUT_S,
-                       "every node's workers to succeed", interval_s=0.2)  # fmt: skip
+            got = wait_until(poll, FINISH_TIMEOUT_S, "every node's workers to succeed",
+                             interval_s=0.2)  # fmt: skip
+            if isinstance(got, RestartOrder):
+                return self._restart(got)
+            if isinstance(got, PlanDecision):
+                log.error("the job cannot end: %s", got.unrecoverable)
+                return self._end(f"unrecoverable: {got.unrecoverable}")
             run.pool.stop_warming()
             wait_until(lambda: True if not run.pool.size() else None,
                        SPARES_EXIT_S, "the spares to exit", interval_s=0.05)  # fmt: skip
@@ -507,10 +526,30 @@ class Agent:
             log.warning("%s; stopping what is left", err)
         self.children.terminate(signal.SIGTERM)
         self._leave(run)
-        self.events.emit(JOB_ENDED, status=0, reason="all workers succeeded")
-        log.info("job %s finished: %d worker(s) on node %d succeeded", self.job_id,
-                 len(run.workers), self.node)  # fmt: skip
+        self.events.emit(JOB_ENDED, status=0, reason=reason)
+        succeeded = sum(c.proc.poll() == 0 for c in run.workers.values())
+        log.info("job %s finished: %d worker(s) on node %d succeeded%s", self.job_id, succeeded,
+                 self.node, "" if reason == SUCCEEDED else f" ({reason})")  # fmt: skip
         return 0
+
+    def _answer_late(self, run: Run, told: set[int]) -> PlanDecision | None:
+        """While this node waits for the others to finish: a recovery ordered since (a rank
+        elsewhere failed after its last collective) is told that this node's workers had
+        finished training, so it plans none and says the job finished; returns its plan
+        decision if that is unrecoverable instead."""
+        generation = self.ctx.generation + 1
+        if self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder) is None:
+            return None
+        if generation not in told:
+            told.add(generation)
+            for rank, child in sorted(run.workers.items()):
+                if child.proc.poll() == 0:
+                    self.ctx.put(keys.rank_lost(self.job_id, generation, rank),
+                                 RankLost("finished training", finished=True))  # fmt: skip
+            log.info("a recovery into generation %d was ordered after this node's workers "
+                     "finished: told its coordinator so", generation)  # fmt: skip
+        decision = self.ctx.get(keys.recovery_plan(self.job_id, generation), PlanDecision)
+        return decision if decision is not None and decision.unrecoverable else None
 
     def _leave(self, run: Run) -> None:
         """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent

@@ -34,7 +34,7 @@ from ..control.wait import wait_until
 from ..events import FENCED, EventLog
 from ..recovery.coordinator import Coordinator, OrderExists
 from ..recovery.placement import order_spares
-from ..recovery.plan import Unrecoverable
+from ..recovery.plan import TrainingFinished, Unrecoverable
 from .children import Child
 from .nodes import NodeWatch
 from .pool import SparePool
@@ -68,10 +68,12 @@ class Run:
 
 @dataclass(frozen=True)
 class Stop:
-    """The job cannot go on in memory: restart it from its checkpoint, or end it."""
+    """The job cannot go on in memory: restart it from its checkpoint, or end it (as
+    succeeded when `finished`: the failure came after training had finished)."""
 
     restart: bool
     reason: str
+    finished: bool = False
 
 
 class HotSwap:
@@ -122,10 +124,17 @@ class HotSwap:
             on_lost=lambda r, why: (
                 r in self.run.workers and self.fence(r, f"lost during the recovery: {why}")
             ),
+            finished=lambda r: self._rank_finished(r, rec.generation),
         )
         try:
-            free, prebuilt = self._spares_for(rec.generation, rec.permanent)
+            free, prebuilt = ([], {}) if rec.finished else self._spares_for(
+                rec.generation, rec.permanent
+            )  # fmt: skip
             plan = coordinator.decide(rec, held, free, prebuilt)
+        except TrainingFinished as err:
+            log.warning("no recovery into generation %d: %s; the job ends as finished",
+                        rec.generation, err)  # fmt: skip
+            return Stop(False, str(err), finished=True)
         except Unrecoverable as err:
             lost = sorted(rec.permanent) or ["?"]
             if self.on_unrecoverable == "checkpoint-restart":
@@ -137,6 +146,11 @@ class HotSwap:
             return Stop(False, f"unrecoverable: {err}")
         self.adopt(plan)
         return None
+
+    def _rank_finished(self, rank: int, generation: int) -> bool:
+        if rank in self.run.workers:
+            return self.run.monitor.finished(rank)
+        return self.run.nodes.finished_rank(rank, generation)
 
     def _rank_lost(self, rank: int, generation: int) -> str | None:
         if rank in self.run.workers:
@@ -235,6 +249,11 @@ class HotSwap:
             if decision is not None:
                 return decision
             for rank in sorted(set(self.run.workers) - told):
+                if rank not in order.permanent and self.run.monitor.finished(rank):
+                    told.add(rank)
+                    self.ctx.put(keys.rank_lost(self.ctx.job, generation, rank),
+                                 RankLost("finished training", finished=True))  # fmt: skip
+                    continue
                 why = "failed" if rank in order.permanent else self.run.monitor.lost(rank)
                 if why is not None:
                     told.add(rank)
@@ -257,6 +276,10 @@ class HotSwap:
             log.error("node %d, coordinating the recovery into generation %d, is lost",
                       order.by, generation)  # fmt: skip
             return None
+        if got.finished is not None:
+            log.warning("no recovery into generation %d: %s; the job ends as finished",
+                        generation, got.finished)  # fmt: skip
+            return Stop(False, got.finished, finished=True)
         if got.unrecoverable is not None:
             if self.on_unrecoverable == "checkpoint-restart":
                 return None  # the coordinator orders the restart; the next look joins it

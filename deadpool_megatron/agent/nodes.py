@@ -221,11 +221,17 @@ class NodeWatch:
         return [s for n, seen in sorted(self._seen.items()) if n not in self._lost
                 for s in seen.beat.spares]  # fmt: skip
 
+    def finished_rank(self, rank: int, generation: int) -> bool:
+        """For a recovery's coordinator: the agent hosting `rank` elsewhere said its process
+        exited with status 0 (it had finished training)."""
+        said = self.ctx.get(keys.rank_lost(self.ctx.job, generation, rank), RankLost)
+        return said is not None and said.finished
+
     def lost_rank(self, rank: int, generation: int) -> str | None:
         """For a recovery's coordinator: why a rank hosted elsewhere will never report (its
         node is lost, or its agent said so), else None."""
         lost = self.ctx.get(keys.rank_lost(self.ctx.job, generation, rank), RankLost)
-        if lost is not None:
+        if lost is not None and not lost.finished:
             return lost.reason
         for node, beat in self._lost.items():
             if rank in beat.ranks:

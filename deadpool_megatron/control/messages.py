@@ -262,14 +262,18 @@ class RecoveryPlan:
 
 @dataclass(frozen=True)
 class PlanDecision(Record):
-    """The launcher's answer for a generation: the plan (and the iteration that failed), or
-    why nothing can be recovered (every process then stops)."""
+    """The launcher's answer for a generation: the plan (and the iteration that failed), why
+    nothing can be recovered (every process then stops), or why nothing needs to be: the
+    failure came after training had finished (`finished`; the job ends as succeeded)."""
 
     plan: RecoveryPlan | None = None
     failed_iteration: int = 0
     unrecoverable: str | None = None
+    finished: str | None = None
 
     def to_doc(self) -> dict:
+        if self.finished is not None:
+            return {"finished": self.finished}
         if self.plan is None:
             return {"unrecoverable": self.unrecoverable}
         p = self.plan
@@ -285,6 +289,8 @@ class PlanDecision(Record):
 
     @classmethod
     def from_doc(cls, doc: dict) -> PlanDecision:
+        if "finished" in doc:
+            return cls(finished=str(doc["finished"]))
         if "unrecoverable" in doc:
             return cls(unrecoverable=str(doc["unrecoverable"]))
         plan = RecoveryPlan(
@@ -377,9 +383,11 @@ class AgentBeat(Record):
 @dataclass(frozen=True)
 class RankLost(Record):
     """During a recovery: the agent hosting a rank says it will never report (it exited, is
-    stopped, or stopped progressing), so the recovery's coordinator replaces it too."""
+    stopped, or stopped progressing), so the recovery's coordinator replaces it too; or,
+    `finished`, that it exited with status 0: it had finished training before the failure."""
 
     reason: str
+    finished: bool = False
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,10 @@ class Monitor:
                 return True
         return False
 
+    def finished(self, rank: int) -> bool:
+        """The process holding `rank` exited with status 0: it finished training."""
+        return self._returncode(rank) == 0
+
     def lost(self, rank: int) -> str | None:
         """During a recovery: why the process holding `rank` will never report (it exited, is
         stopped, or shows no progress for its phase's limit), or None while it may still."""

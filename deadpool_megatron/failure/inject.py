@@ -20,17 +20,19 @@ from ..errors import ConfigError
 # rank's replica of ITER has bytes flipped in flight (its successors must reject it)
 ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt")
 SPARE_ACTIONS = ("kill-spare",)
-PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save")
+PHASES = ("forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "finish")
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"
+# `finish`: after the rank's training loop, final save and agreed replication stop, just before
+# it exits: only a kill, at the last iteration (a death after the job's last collective).
 
 GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
     "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE], "
     "unhealthy@RANK:ITER[:PHASE], slow@RANK:ITER[:PHASE] "
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), corrupt@RANK:ITER (phase replicate), "
-    "kill-spare@INDEX:ITER; "
+    "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )
 
@@ -63,8 +65,12 @@ def _bad(spec: str, why: str) -> ConfigError:
     return ConfigError(f"bad fault spec {spec!r}: {why}; expected {GRAMMAR}")
 
 
-def parse_fault(spec: str, world_size: int | None = None, spares: int | None = None) -> Fault:
-    """One SPEC; ranks and spare indexes are checked only against the sizes given."""
+def parse_fault(
+    spec: str, world_size: int | None = None, spares: int | None = None,
+    last_iteration: int | None = None,
+) -> Fault:  # fmt: skip
+    """One SPEC; ranks, spare indexes and a finish fault's iteration are checked only against
+    the sizes given."""
     m = _SPEC.match(spec)
     if m is None:
         raise _bad(spec, "not of the form ACTION@TARGET:ITER[:PHASE]")
@@ -88,19 +94,28 @@ def parse_fault(spec: str, world_size: int | None = None, spares: int | None = N
         phase = DEFAULT_PHASE
     elif phase not in PHASES:
         raise _bad(spec, f"unknown phase {phase!r}")
+    if phase == "finish":
+        if action != "kill":
+            raise _bad(spec, f"{action} cannot act after training: only kill takes phase finish")
+        if last_iteration is not None and iteration != last_iteration:
+            raise _bad(spec, f"phase finish comes after the last iteration, {last_iteration}, "
+                       f"not after {iteration}")  # fmt: skip
     if world_size is not None and target >= world_size:
         raise _bad(spec, f"rank {target} out of range: world size is {world_size}")
     return Fault(action, target, iteration, phase)
 
 
 def parse_faults(
-    text: str, world_size: int | None = None, spares: int | None = None
-) -> tuple[Fault, ...]:
+    text: str, world_size: int | None = None, spares: int | None = None,
+    last_iteration: int | None = None,
+) -> tuple[Fault, ...]:  # fmt: skip
     """The whole flag value; empty text means no faults. Two faults on the same target,
     iteration and phase are refused: which one fires would be ambiguous."""
     if not text.strip():
         return ()
-    faults = tuple(parse_fault(s.strip(), world_size, spares) for s in text.split(","))
+    faults = tuple(
+        parse_fault(s.strip(), world_size, spares, last_iteration) for s in text.split(",")
+    )
     seen: dict[tuple, Fault] = {}
     for f in faults:
         key = (f.on_spare, f.target, f.iteration, f.phase)

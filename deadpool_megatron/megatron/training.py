@@ -70,6 +70,9 @@ class LoopHooks:
     def inject(self, iteration: int, name: str) -> None:
         pass
 
+    def after_training(self, iteration: int) -> None:
+        """Training ended at `iteration`, its final save written and committed."""
+
 
 class Trainer:
     """Owns one rank's training: state, data, metrics, and the iteration counter.
@@ -198,15 +201,22 @@ class Trainer:
             if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
                 self.async_queue.maybe_finalize_async_calls(blocking=False)
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
-                it = self.iteration
-                self.hooks.mark(it, "save")
-                checkpointing.save(
-                    self.cfg,
-                    self.state,
-                    it,
-                    lambda it=it: self.hooks.inject(it, "save"),
-                    self.async_queue,
-                )
+                self._save()
+        # Megatron's save at the end is part of training: a failure during it (or during the
+        # last periodic one) is recovered like one during any other save, the survivors rolling
+        # back to the last snapshot, and the save runs again unless the tracker shows it done.
+        self.finalize_saves()
+        if c.save and checkpointing.latest_iteration(c.save) != self.iteration:
+            self._save()
+            self.finalize_saves()
+        self.hooks.after_training(self.iteration)
+
+    def _save(self) -> None:
+        it = self.iteration
+        self.hooks.mark(it, "save")
+        checkpointing.save(
+            self.cfg, self.state, it, lambda it=it: self.hooks.inject(it, "save"), self.async_queue
+        )
 
     def detach(self) -> ProtectionPipeline | None:
         """After a failure: give up the state (the old model, DDP and optimizer hold the old

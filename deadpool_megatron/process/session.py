@@ -103,6 +103,12 @@ class ProtectedLoop(LoopHooks):
     def mark(self, iteration: int, name: str) -> None:
         self.progress.mark(iteration, name)
 
+    def after_training(self, iteration: int) -> None:
+        """A recovery from a failure during the final save resumed into no iteration: it is
+        accounted once the save is written (its `first_iteration` is that save)."""
+        if self.recovery is not None:
+            self.recovery.after_iteration(self.position)
+
     def inject(self, iteration: int, name: str) -> None:
         if self.guard is not None:
             self.guard.inject(iteration, name)

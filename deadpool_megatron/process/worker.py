@@ -152,6 +152,7 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
                 return 1
     progress.mark(trainer.iteration, "finish")
     _finish(cfg, trainer)
+    session.inject(trainer.iteration, "finish")  # kill@RANK:LAST:finish: a death after the end
     if watcher is not None:
         watcher.stop()
     if guard is not None:
@@ -217,10 +218,7 @@ def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, events: EventLo
 
 
 def _finish(cfg: JobConfig, trainer: Trainer) -> None:
-    trainer.finalize_saves()
-    c = cfg.checkpoint
-    if c.save and (not c.save_interval or trainer.iteration % c.save_interval):
-        checkpointing.save(cfg, trainer.state, trainer.iteration)
+    """After training and its final save (Trainer.train): stop protecting, release."""
     if trainer.pipeline is not None:
         trainer.pipeline.close()
         log.info("protection: %s", trainer.protection_summary())

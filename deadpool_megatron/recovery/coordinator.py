@@ -36,11 +36,12 @@ from ..events import (
     RECOVERY_DONE,
     RECOVERY_PHASE,
     RECOVERY_STARTED,
+    RECOVERY_UNNEEDED,
     SPARE_CLAIMED,
     EventLog,
 )
 from ..topology import Topology
-from .plan import RankHoldings, RecoveryPlan, Unrecoverable, plan_recovery
+from .plan import RankHoldings, RecoveryPlan, TrainingFinished, Unrecoverable, plan_recovery
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -84,6 +85,7 @@ class Recovery:
     phases: dict[str, float] = field(default_factory=dict)
     plan: RecoveryPlan | None = None
     replayed: int = 0
+    finished: set[int] = field(default_factory=set)  # ranks that exited with status 0
 
 
 class OrderExists(DeadpoolError):
@@ -132,20 +134,26 @@ class Coordinator:
         on_lost: Callable[[int, str], None],
         poll_s: float = POLL_S,
         sleep: Callable[[float], None] = time.sleep,
+        finished: Callable[[int], bool] = lambda rank: False,
     ) -> dict[int, tuple[RankHoldings, int]]:
         """Wait for the holdings of every live rank. A rank still computing towards its next
         phase boundary is waited for as long as it progresses; one that `lost` says will
         never report (exited, stopped, no progress for its phase's limit) joins the failed
-        ones. Returns {rank: (holdings, completed iteration)}."""
+        ones; one that `finished` (exited with status 0) joins `rec.finished`. Returns
+        {rank: (holdings, completed iteration)}."""
         got: dict[int, tuple[RankHoldings, int]] = {}
 
         def poll() -> dict | None:
             for rank in range(self.topology.world_size):
-                if rank in rec.permanent or rank in got:
+                if rank in rec.permanent or rank in got or rank in rec.finished:
                     continue
                 report = self.ctx.get(keys.holdings(self.job, rec.generation, rank), HoldingsReport)
                 if report is not None:
                     got[rank] = (report.holdings, report.completed)
+                    continue
+                if finished(rank):
+                    log.info("rank %d had finished training (exited with status 0)", rank)
+                    rec.finished.add(rank)
                     continue
                 why = lost(rank)
                 if why is not None:
@@ -154,6 +162,7 @@ class Coordinator:
                     rec.permanent.add(rank)
                     on_lost(rank, why)
             waiting = set(range(self.topology.world_size)) - rec.permanent - set(got)
+            waiting -= rec.finished
             return None if waiting else got
 
         return wait_until(poll, math.inf, "holdings", interval_s=poll_s, sleep=sleep)
@@ -166,7 +175,8 @@ class Coordinator:
         prebuilt: Mapping[str, Collection[int]] | None = None,
     ) -> RecoveryPlan:
         """Plan, claim the spares, commit the membership and publish the plan. Raises
-        Unrecoverable (after publishing why, so every process stops) when nothing can.
+        Unrecoverable (after publishing why, so every process stops) when nothing can, and
+        TrainingFinished (published too) when the failure came after training ended.
         `prebuilt`: spare -> the ranks it can take over without building (the plan names the
         replaced ranks whose spare does)."""
         current = self.membership.current()
@@ -174,7 +184,7 @@ class Coordinator:
         try:
             plan = plan_recovery(
                 view, self.topology, rec.permanent, {r: h for r, (h, _) in held.items()},
-                self.replicas,
+                self.replicas, rec.finished,
             )  # fmt: skip
             ready = prebuilt or {}
             plan = dataclasses.replace(plan, prebuilt=tuple(
@@ -190,6 +200,13 @@ class Coordinator:
                 Membership(current.generation + 1, plan.membership.ranks, plan.membership.spares),
                 current.generation,
             )
+        except TrainingFinished as err:
+            self.ctx.put(
+                keys.recovery_plan(self.job, rec.generation), PlanDecision(finished=str(err))
+            )
+            self.events.emit(RECOVERY_UNNEEDED, generation=rec.generation,
+                             failed=sorted(rec.permanent), finished=sorted(rec.finished))  # fmt: skip
+            raise
         except Unrecoverable as err:
             decision = PlanDecision(unrecoverable=str(err))
             self.ctx.put(keys.recovery_plan(self.job, rec.generation), decision)

@@ -12,7 +12,7 @@ spare left), the plan says exactly what was lost instead of resuming on wrong st
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..control.membership import replace
 from ..control.messages import (
@@ -25,12 +25,18 @@ from ..control.messages import (
 from ..errors import DeadpoolError
 from ..topology import Topology
 
-__all__ = ["RankHoldings", "RecoveryPlan", "Transfer", "Unrecoverable", "check_plan",
-           "plan_recovery"]  # fmt: skip
+__all__ = ["RankHoldings", "RecoveryPlan", "TrainingFinished", "Transfer", "Unrecoverable",
+           "check_plan", "plan_recovery"]  # fmt: skip
 
 
 class Unrecoverable(DeadpoolError):
     """The state of some shard is lost: fall back to a persistent checkpoint, or stop."""
+
+
+class TrainingFinished(DeadpoolError):
+    """Nothing to recover: every rank that did not fail had finished training (exited with
+    status 0) before the failure, so the failed ones had passed the job's last collective
+    (with --save, the final save's barrier: their part of the last checkpoint is written)."""
 
 
 def plan_recovery(
@@ -39,16 +45,29 @@ def plan_recovery(
     permanent: set[int],
     holdings: Mapping[int, RankHoldings],
     replicas: int = 1,
+    finished: Collection[int] = (),
 ) -> RecoveryPlan:
     """The next generation after the ranks in `permanent` are lost for good.
 
     `holdings` has one entry per live rank (survivors and transiently failed ranks alike:
-    both keep their process and host buffers). Raises Unrecoverable naming what was lost.
+    both keep their process and host buffers); `finished`: ranks that exited with status 0.
+    Raises Unrecoverable naming what was lost, TrainingFinished when nothing needs recovering.
     """
     live = set(holdings)
-    missing = set(range(topology.world_size)) - live - permanent
+    done = set(finished)
+    missing = set(range(topology.world_size)) - live - permanent - done
     if missing:
-        raise ValueError(f"ranks {sorted(missing)} are neither live nor failed")
+        raise ValueError(f"ranks {sorted(missing)} are neither live, failed nor finished")
+    if done and not live:
+        raise TrainingFinished(
+            f"rank(s) {sorted(done)} finished training before rank(s) {sorted(permanent)} "
+            "failed: the failure came after the job's last collective; nothing to recover"
+        )
+    if done:
+        raise Unrecoverable(
+            f"rank(s) {sorted(done)} finished training and exited while rank(s) "
+            f"{sorted(live)} were still in the job's last steps: the exited ranks' state is gone"
+        )
     if not live:
         raise Unrecoverable("every rank failed: no state survives in memory")
     new_view = view

@@ -384,7 +384,7 @@ class ProcessRecovery:
         except StoreTimeout as err:
             raise RecoveryFailed(str(err)) from err
         if decision.plan is None:
-            raise RecoveryFailed(decision.unrecoverable or "unrecoverable")
+            raise RecoveryFailed(decision.unrecoverable or decision.finished or "unrecoverable")
         self._failed_iteration = decision.failed_iteration
         return decision.plan
 

@@ -18,6 +18,7 @@ from deadpool_megatron.control.membership import MembershipStore
 from deadpool_megatron.control.signed import ENV_JOB_SECRET, SignedKVStore, new_secret
 from deadpool_megatron.events import read_events
 from deadpool_megatron.failure.inject import ChaosSchedule
+from deadpool_megatron.megatron.checkpointing import latest_iteration
 from jobs import ROOT, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
@@ -36,10 +37,10 @@ def baseline(tmp_path_factory):
     return result
 
 
-def _inject(tmp_path, spec: str, iters: int = 40, spares: int = 0):
+def _inject(tmp_path, spec: str, iters: int = 40, spares: int = 0, extra=()):
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--train-iters", str(iters), "--deadpool-inject", spec,
-            "--deadpool-event-log", str(log)]  # fmt: skip
+            "--deadpool-event-log", str(log), *extra]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=spares)
     events = read_events(str(log)) if log.exists() else []
     return result, events
@@ -198,20 +199,66 @@ def test_healthy_job_with_saves_on_a_machine_with_every_core_busy_is_never_accus
     assert "spare 1: job finished, exiting" in result.output
 
 
+def test_a_death_after_the_last_iteration_ends_the_job_as_finished(tmp_path, baseline):
+    # Rank 1 is killed once it has finished training, saved and stopped replicating: the
+    # others exit 0 before or during the recovery its death orders. Nothing is left to
+    # recover (no spare is claimed), the final checkpoint is whole and the job succeeds.
+    save = tmp_path / "ckpt"
+    result, events = _inject(
+        tmp_path, "kill@1:40:finish", spares=1,
+        extra=["--save", str(save), "--save-interval", "30"],
+    )  # fmt: skip
+    assert result.returncode == 0, result.failure()
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    assert latest_iteration(str(save)) == 40
+    detected = _only(events, "failure_detected")
+    assert (detected["rank"], detected["evidence"]) == (1, "ProcessExited")
+    unneeded = _only(events, "recovery_unneeded")
+    assert unneeded["generation"] == 1 and unneeded["failed"] == [1]
+    assert unneeded["finished"] == [0, 2, 3]
+    assert not [e for e in events if e["event"] in ("spare_claimed", "recovery_done")], events
+    ended = _only(events, "job_ended")
+    assert ended["status"] == 0 and "finished training before rank(s) [1]" in ended["reason"]
+
+
+@pytest.mark.parametrize("interval", [30, 20], ids=["final-save", "last-periodic-save"])
+def test_a_death_during_the_last_save_is_hot_swapped_and_the_save_runs_again(
+    tmp_path, baseline, interval
+):
+    # Rank 1 dies once its shards of iteration 40 are written, before the commit: in the save
+    # at the end of training (40 is off the interval) or in the last periodic one. A spare
+    # takes over, the survivors roll back to their snapshot, and the save runs again.
+    save = tmp_path / "ckpt"
+    result, events = _inject(
+        tmp_path, "kill@1:40:save", spares=1,
+        extra=["--save", str(save), "--save-interval", str(interval)],
+    )  # fmt: skip
+    assert result.returncode == 0, result.failure()
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    assert latest_iteration(str(save)) == 40
+    assert _only(events, "spare_claimed")["replaces"] == 1
+    assert _only(events, "recovery_done")["generation"] == 1
+    assert _only(events, "job_ended")["status"] == 0
+
+
 def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_path, baseline):
     # Seed 991 at a 4 s mean: kill rank 2 at 0.64 s of training, hang rank 1 at 1.85 s, kill
     # rank 1 at 8.18 s, kill rank 3 at 10.06 s. The first two come early enough that even a
     # fast machine (40 iterations here take 8-36 s of training, about half that on CI) sees
     # both; the later ones fire only where training lasts that long. Each goes into a running
     # job (never into a recovery), and each is detected and timed in the generation it
-    # happened in.
+    # happened in. A fault that lands after a rank's last collective (a loaded machine) needs
+    # no recovery: the job ends as finished (test_a_death_after_the_last_iteration_...).
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--train-iters", "40", "--deadpool-chaos-mtbf", "4",
             "--deadpool-chaos-seed", "991", "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=4)
     assert result.returncode == 0, result.failure()
-    assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
+    unneeded = [e for e in events if e["event"] == "recovery_unneeded"]
+    assert result.losses == baseline.losses
+    if not (unneeded and unneeded[0]["failed"] == [3]):  # rank 3 logs the final digest
+        assert result.digest == baseline.digest
     assert all(isinstance(e["generation"], int) for e in events), events
     injected = [e for e in events if e["event"] == "fault_injected"]
     detected = [e for e in events if e["event"] == "failure_detected"]
@@ -225,4 +272,5 @@ def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_p
         assert det["detect_latency_s"] is not None and det["detect_latency_s"] <= 3.0, det
     started = [e["generation"] for e in events if e["event"] == "recovery_started"]
     assert started == list(range(1, len(injected) + 1))
-    assert len([e for e in events if e["event"] == "recovery_done"]) == len(injected)
+    done = [e["generation"] for e in events if e["event"] == "recovery_done"]
+    assert done + [e["generation"] for e in unneeded] == started  # only the last can be unneeded

@@ -173,6 +173,32 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
     assert replays == ["0"] * 12, replays  # 5 survivors and a spare, then 4 and two spares
 
 
+def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_as_finished(
+    tmp_path, baseline
+):
+    # Rank 5 (node 2) is killed once it finished training; nodes 0 and 1 have finished, or
+    # finish while node 2's agent orders a recovery: each says its ranks finished (from its
+    # wait for the others, or following the recovery), no spare is claimed, all end with 0.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@5:14:finish"]
+    nodes = start_nodes(tmp_path, 3, 0, NPROC, args, spares=1)
+    try:
+        rcs = nodes.wait(400)
+    finally:
+        nodes.stop()
+    assert rcs == [0, 0, 0], nodes.all_output()[-6000:]
+    job = result(nodes)
+    assert job.losses == baseline.losses and job.digest == baseline.digest
+    events = read_events(str(log))
+    (unneeded,) = _named(events, "recovery_unneeded")
+    assert unneeded["failed"] == [5] and unneeded["finished"] == [0, 1, 2, 3, 4]
+    assert not _named(events, "spare_claimed") and not _named(events, "recovery_done")
+    ended = _named(events, "job_ended")
+    assert len(ended) == 3 and all(e["status"] == 0 for e in ended), ended
+    out = nodes.output(0) + nodes.output(1)
+    assert "told its coordinator so" in out or "following the recovery into generation 1" in out
+
+
 def _wait_for_builds(nodes, node: int, built: dict[int, int], timeout_s: float = 60) -> None:
     """Until each spare of `node` in `built` (index -> rank) logged its build for that rank."""
     deadline = time.monotonic() + timeout_s

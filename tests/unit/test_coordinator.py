@@ -1,6 +1,7 @@
 """The agent's half of a recovery on a real in-process TCPStore, no worker processes: one order
 per generation, a newer recovery planned from the last, spare claims by compare-and-swap, the
-unrecoverable path, waiting for holdings, and the account of a finished recovery."""
+unrecoverable path, a failure after training finished, waiting for holdings, and the account of
+a finished recovery."""
 
 import pytest
 
@@ -20,7 +21,7 @@ from deadpool_megatron.control.messages import (
 )
 from deadpool_megatron.events import EventLog, read_events
 from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists, rank_phases
-from deadpool_megatron.recovery.plan import Unrecoverable
+from deadpool_megatron.recovery.plan import TrainingFinished, Unrecoverable
 from deadpool_megatron.topology import Topology
 
 JOB = "coord-test"
@@ -134,6 +135,47 @@ def test_gather_waits_for_a_slow_rank_and_adds_a_lost_one_to_the_failed(kv):
     )
     assert sorted(held) == [0, 1] and rec.permanent == {2, 3}
     assert lost_calls == [(2, "it exited")] and len(polls) == 5
+
+
+def test_a_failure_after_every_other_rank_finished_training_ends_the_job_as_finished(kv, tmp_path):
+    # Rank 1 died after the last iteration; ranks 0 and 3 had exited 0, rank 2 exits 0 while
+    # the gather waits. Nothing is planned, no spare is claimed, every process is told why.
+    coord, _ = make(kv, tmp_path)
+    rec = coord.order({1}, "rank 1 exited", 1.0)
+    exited = {0, 3}
+
+    def sleep(_):
+        exited.add(2)
+
+    held = coord.gather(
+        rec, lost=lambda r: None, on_lost=None, sleep=sleep, finished=lambda r: r in exited,
+    )  # fmt: skip
+    assert held == {} and rec.finished == {0, 2, 3} and rec.permanent == {1}
+    with pytest.raises(TrainingFinished, match=r"rank\(s\) \[0, 2, 3\] finished training"):
+        coord.decide(rec, held, ["spare-0", "spare-1"])
+    decision = PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1)))
+    assert decision.plan is None and decision.unrecoverable is None
+    assert "failure came after the job's last collective" in decision.finished
+    assert kv.get(keys.assignment(JOB, "spare-0")) is None
+    assert MembershipStore(kv, JOB).current().generation == 0
+    unneeded = [e for e in read_events(str(tmp_path / "ev.jsonl"))
+                if e["event"] == "recovery_unneeded"]  # fmt: skip
+    assert [(e["generation"], e["failed"], e["finished"]) for e in unneeded] == [
+        (1, [1], [0, 2, 3])
+    ]
+
+
+def test_ranks_still_recovering_beside_finished_ones_is_unrecoverable(kv):
+    coord, _ = make(kv)
+    rec = coord.order({1}, "rank 1 exited", 1.0)
+    holdings(kv, 1, [2, 3])  # they had not exited when the order reached them
+    held = coord.gather(rec, lambda r: None, None, finished=lambda r: r == 0)
+    with pytest.raises(Unrecoverable, match=r"rank\(s\) \[0\] finished training and exited"):
+        coord.decide(rec, held, ["spare-0"])
+    assert (
+        "still in the job's last steps"
+        in PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1))).unrecoverable
+    )
 
 
 def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteration(kv, tmp_path):

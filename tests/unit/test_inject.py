@@ -34,7 +34,8 @@ def test_valid_specs_parse_in_order_with_the_default_phase():
 
 @pytest.mark.parametrize("phase", PHASES)
 def test_every_phase_round_trips(phase):
-    (fault,) = parse_faults(f"hang@2:9:{phase}")
+    action = "kill" if phase == "finish" else "hang"  # only a kill acts after training
+    (fault,) = parse_faults(f"{action}@2:9:{phase}")
     assert fault.phase == phase and parse_faults(str(fault)) == (fault,)
 
 
@@ -60,6 +61,8 @@ def test_empty_means_no_faults(text):
         ("kill@1:5,hang@1:5", "hang@1:5:forward", "conflicts with 'kill@1:5:forward'"),
         ("KILL@1:5", "KILL@1:5", "not of the form"),
         ("corrupt@1:5:forward", "corrupt@1:5:forward", "its phase is replicate"),
+        ("hang@1:5:finish", "hang@1:5:finish", "only kill takes phase finish"),
+        ("raise@1:5:finish", "raise@1:5:finish", "only kill takes phase finish"),
     ],
 )
 def test_bad_specs_name_the_spec_and_show_the_grammar(text, bad, why):
@@ -83,6 +86,13 @@ def test_ranks_and_spare_indexes_are_checked_against_the_job():
         parse_faults("kill-spare@0:3", spares=0)
     # sizes not given: not checked
     assert parse_faults("kill@99:1,kill-spare@9:1")
+
+
+def test_a_kill_after_training_must_name_the_last_iteration():
+    assert parse_faults("kill@1:40:finish", last_iteration=40) == (Fault("kill", 1, 40, "finish"),)
+    with pytest.raises(ConfigError, match=r"'kill@1:39:finish'.*last iteration, 40, not after 39"):
+        parse_faults("kill@1:39:finish", last_iteration=40)
+    assert parse_faults("kill@1:39", last_iteration=40)  # other phases are not checked
 
 
 def test_faults_at_answers_should_this_rank_fail_now():

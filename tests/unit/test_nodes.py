@@ -73,6 +73,9 @@ def test_the_hosting_agents_word_on_a_rank_reaches_the_coordinator(kv):
     ctx.put(keys.rank_lost(JOB, 4, 3), RankLost("exited with SIGKILL"))
     assert watch.lost_rank(3, 4) == "exited with SIGKILL"
     assert watch.lost_rank(3, 5) is None  # another generation's recovery
+    assert not watch.finished_rank(3, 4)
+    ctx.put(keys.rank_lost(JOB, 5, 2), RankLost("finished training", finished=True))
+    assert watch.finished_rank(2, 5) and watch.lost_rank(2, 5) is None  # done, not lost
 
 
 def test_a_store_that_stalls_every_lease_accuses_nobody(kv):

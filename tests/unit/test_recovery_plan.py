@@ -7,6 +7,7 @@ from deadpool_megatron.errors import DeadpoolError
 from deadpool_megatron.recovery.plan import (
     RankHoldings,
     RecoveryPlan,
+    TrainingFinished,
     Transfer,
     Unrecoverable,
     check_plan,
@@ -90,6 +91,18 @@ def test_two_adjacent_ranks_with_two_replicas_recover():
 def test_no_spare_left_is_unrecoverable():
     with pytest.raises(Unrecoverable, match="no spare left to replace failed rank 3"):
         plan_recovery(view(TOPO_DP4, spares=()), TOPO_DP4, {3}, holdings(TOPO_DP4, {3}))
+
+
+def test_a_failure_after_everyone_else_finished_needs_no_recovery():
+    with pytest.raises(
+        TrainingFinished, match=r"\[0, 2, 3\] finished training before rank\(s\) \[1\]"
+    ):
+        plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, {}, finished={0, 2, 3})
+    # some still live beside finished ones: their exited peers' state is gone
+    with pytest.raises(Unrecoverable, match=r"\[0\] finished training and exited while.*\[2, 3\]"):
+        plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, holdings(TOPO_DP4, {0, 1}), finished={0})
+    with pytest.raises(ValueError, match=r"ranks \[3\] are neither live, failed nor finished"):
+        plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, {}, finished={0, 2})
 
 
 def test_a_whole_dp_group_lost_names_the_parameters():
