@@ -145,6 +145,7 @@ class UpstreamSession(ProtectedLoop):
 
     def _finish(self) -> None:
         p = self.position
+        self.after_training(p.iteration)  # pretrain() ended, its final save included
         digest = state_digest(p.state.model, p.state.optimizer)
         if self.metrics is not None:
             self.metrics.final(p.iteration, digest)
