@@ -211,7 +211,7 @@ def test_a_death_during_the_final_save_is_hot_swapped_and_one_after_the_end_need
     save = tmp_path / "ckpt"
     result, events = _inject(
         tmp_path, "kill@1:40:save,kill@2:40:finish", spares=2,
-        extra=["--save", str(save), "--save-interval", "30"],
+        extra=["--save", str(save), "--save-interval", "50"],  # the final save only
     )  # fmt: skip
     assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
@@ -228,13 +228,13 @@ def test_a_death_during_the_final_save_is_hot_swapped_and_one_after_the_end_need
 def test_a_death_during_the_last_periodic_save_is_hot_swapped_and_the_save_runs_again(
     tmp_path, baseline
 ):
-    # The same death in the last periodic save (40 is on the interval): after the recovery
-    # the loop has no iteration left, and the save runs again because the tracker still
-    # names iteration 20.
+    # The same death in the last periodic save (40 is on the interval, the only save): after
+    # the recovery the loop has no iteration left, and the save runs again because no tracker
+    # names iteration 40.
     save = tmp_path / "ckpt"
     result, events = _inject(
         tmp_path, "kill@1:40:save", spares=1,
-        extra=["--save", str(save), "--save-interval", "20"],
+        extra=["--save", str(save), "--save-interval", "40"],
     )  # fmt: skip
     assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
