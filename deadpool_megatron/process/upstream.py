@@ -154,6 +154,7 @@ class UpstreamSession(ProtectedLoop):
             log.info("training finished at iteration %d, state_digest %s", p.iteration, digest)
         if p.pipeline is not None:
             p.pipeline.close()
+        self.inject(p.iteration, "finish")  # kill@RANK:LAST:finish: a death after the end
         self._close()
         upstream.reset_global_state()
 
