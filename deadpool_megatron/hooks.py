@@ -11,7 +11,8 @@ Patched Megatron-LM (`patches/`) calls exactly these, at these points:
   setup_model_and_optimizer: protection starts, or a hot-swap restores the state here;
 - `before_step(iteration)` / `after_step(iteration, loss_dict)`: in train(), around each
   train_step; `iteration` counts completed iterations, so before_step gets the number
-  completed so far and after_step the one just completed (its snapshot).
+  completed so far and after_step the one just completed (its snapshot);
+- `after_final_save(iteration, save)`: in pretrain(), after its save at the end.
 
 Without a session (no --deadpool) every hook returns at once: patched Megatron-LM then
 behaves exactly as unpatched. Importing this module is cheap: no torch, no megatron.
@@ -99,3 +100,11 @@ def after_step(iteration: int, loss_dict: dict) -> None:
     session = _session()
     if session is not None:
         session.after_step(iteration, loss_dict)
+
+
+def after_final_save(iteration: int, save: Callable[[], object]) -> None:
+    """pretrain() skips its save at the end when `iteration` is on the save interval; when a
+    hot-swap rolled back into that last periodic save, the tracker does not name it: `save`."""
+    session = _session()
+    if session is not None:
+        session.after_final_save(iteration, save)

@@ -60,6 +60,12 @@ class FaultInjector:
         self._fired: set[Fault] = set()
         self.on_unhealthy = None  # set by whoever runs the health checks
 
+    def due(self, iteration: int, phase: str) -> bool:
+        """A fault of this rank not fired yet waits at (`iteration`, `phase`)."""
+        return any(
+            f not in self._fired for f in faults_at(self.faults, iteration, phase, self.rank)
+        )
+
     def fire(self, iteration: int, phase: str) -> bool:
         """Called at each phase of each iteration; does nothing unless a fault is due.
         True when the caller must corrupt what it is about to send (corrupt@)."""

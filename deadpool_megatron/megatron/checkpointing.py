@@ -55,6 +55,17 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
+def tracked_iteration(root: str) -> int | None:
+    """The iteration the tracker names, for Megatron-LM's checkpoints too (the same file); None
+    without one, or when it names Megatron-LM's `release`."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        text = fh.read().strip()
+    return int(text) if text.isdigit() else None
+
+
 def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> dict:
     sd: dict = {}
     if len(state.model) == 1:

@@ -55,6 +55,9 @@ class Guard:
     def inject(self, iteration: int, phase: str) -> None:
         self.injector.fire(iteration, phase)
 
+    def fault_due(self, iteration: int, phase: str) -> bool:
+        return self.injector.due(iteration, phase)
+
     def before_send(self, iteration: int) -> bool:
         """The replication thread is about to send `iteration` (fault phase "replicate");
         True: send it corrupted."""

@@ -26,7 +26,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control.context import JobContext
 from ..failure.progress import ProgressBoard
-from ..megatron import cpu_backend, parallel, upstream
+from ..megatron import checkpointing, cpu_backend, parallel, upstream
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.model import TrainState, train_state
@@ -196,6 +196,21 @@ class UpstreamSession(ProtectedLoop):
             raise
         self.takeover = None  # seated: from here on a failure is recovered like any other
 
+    def after_final_save(self, iteration: int, save: Callable[[], object]) -> None:
+        """The last periodic save was lost with a failure during it and the recovery rolled
+        back to its iteration, so Megatron-LM's loop had nothing left to run and pretrain()
+        skipped its save at the end (on the interval): save, since the tracker of --save does
+        not name `iteration`. With --async-save the tracker moves later: not looked at."""
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+        if not args.save or args.async_save or iteration == 0:
+            return
+        if checkpointing.tracked_iteration(args.save) != iteration:
+            log.warning("the checkpoint of iteration %d is missing (its save was lost with a "
+                        "failure); saving it", iteration)  # fmt: skip
+            save()
+
     def before_step(self, iteration: int) -> None:
         self._step_started = time.perf_counter()
         super().before_step(iteration)
@@ -203,18 +218,22 @@ class UpstreamSession(ProtectedLoop):
     def after_step(self, iteration: int, loss_dict: dict) -> None:
         self.position.completed(iteration)
         super().after_step(iteration, loss_dict)
-        if iteration >= self.cfg.training.train_iters:  # what pretrain() does next is its end
-            self.progress.mark(iteration, "finish")
-        else:
-            from megatron.training.global_vars import get_args
+        from megatron.training.global_vars import get_args
 
-            slow = upstream.slow_work_after(get_args(), iteration)
-            if slow is not None:
-                self.progress.mark(iteration, slow)
+        slow = upstream.slow_work_after(get_args(), iteration)
+        last = iteration >= self.cfg.training.train_iters  # what pretrain() does next is its end
+        if last or slow is not None:
+            self.progress.mark(iteration, "finish" if last else slow)
         loss = upstream.loss_value(loss_dict)
         if self.metrics is not None and loss is not None:
             elapsed_ms = (time.perf_counter() - self._step_started) * 1e3
             self.metrics.iteration(iteration, loss, elapsed_ms)
+        pipeline = self.position.pipeline
+        if slow == "save" and pipeline is not None and self.guard.fault_due(iteration, "save"):
+            # Megatron-LM's save has no hook inside: a save fault strikes as it starts, once
+            # the iteration is protected here (its snapshot committed, the replicas held).
+            pipeline.wait_for_replicas(iteration)
+            self.inject(iteration, "save")
 
 
 def become_worker(

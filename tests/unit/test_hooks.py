@@ -36,6 +36,7 @@ def test_hooks_do_nothing_without_a_session():
     hooks.after_setup(None, None, None)
     hooks.before_step(3)
     hooks.after_step(4, {"lm loss": 1.0})
+    hooks.after_final_save(4, lambda: pytest.fail("saved without a session"))
 
 
 def test_extra_args_provider_adds_deadpool_flags_after_the_scripts_own():
@@ -84,6 +85,16 @@ def test_evaluations_and_saves_after_a_step_are_marked_as_slow_phases():
                                                                    "evaluate"]  # fmt: skip
     args = SimpleNamespace(eval_interval=10, do_valid=False, save=None, save_interval=None)
     assert slow_work_after(args, 10) is None
+
+
+def test_the_tracker_megatron_lm_and_we_share_names_an_iteration_or_nothing(tmp_path):
+    from deadpool_megatron.megatron.checkpointing import TRACKER, tracked_iteration
+
+    assert tracked_iteration(str(tmp_path)) is None
+    (tmp_path / TRACKER).write_text("12\n")
+    assert tracked_iteration(str(tmp_path)) == 12
+    (tmp_path / TRACKER).write_text("release")  # a released Megatron-LM checkpoint
+    assert tracked_iteration(str(tmp_path)) is None
 
 
 def test_the_patch_series_adds_only_calls_into_deadpool():

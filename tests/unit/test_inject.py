@@ -95,6 +95,19 @@ def test_a_kill_after_training_must_name_the_last_iteration():
     assert parse_faults("kill@1:39", last_iteration=40)  # other phases are not checked
 
 
+def test_a_fault_is_due_until_it_fired():
+    from deadpool_megatron.failure.injector import FaultInjector, InjectedFault
+
+    reported = []
+    injector = FaultInjector(parse_faults("raise@1:12:save,kill@2:12:save"), 1,
+                             lambda f, at: reported.append(str(f)))  # fmt: skip
+    assert injector.due(12, "save") and not injector.due(12, "forward")
+    assert not injector.due(11, "save")
+    with pytest.raises(InjectedFault):
+        injector.fire(12, "save")
+    assert reported == ["raise@1:12:save"] and not injector.due(12, "save")
+
+
 def test_faults_at_answers_should_this_rank_fail_now():
     faults = parse_faults("kill@1:5,raise@1:5:backward,hang@2:5,kill-spare@1:5")
     assert faults_at(faults, 5, "forward", 1) == (Fault("kill", 1, 5, "forward"),)
