@@ -127,9 +127,11 @@ class HotSwap:
             finished=lambda r: self._rank_finished(r, rec.generation),
         )
         try:
-            free, prebuilt = ([], {}) if rec.finished else self._spares_for(
-                rec.generation, rec.permanent
-            )  # fmt: skip
+            # Ranks that finished beside live ones are replaced too (plan_recovery); when no
+            # rank is live, nothing is (it answers that training finished).
+            free, prebuilt = self._spares_for(
+                rec.generation, rec.permanent | rec.finished
+            ) if held else ([], {})  # fmt: skip
             plan = coordinator.decide(rec, held, free, prebuilt)
         except TrainingFinished as err:
             log.warning("no recovery into generation %d: %s; the job ends as finished",

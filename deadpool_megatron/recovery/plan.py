@@ -50,8 +50,9 @@ def plan_recovery(
     """The next generation after the ranks in `permanent` are lost for good.
 
     `holdings` has one entry per live rank (survivors and transiently failed ranks alike:
-    both keep their process and host buffers); `finished`: ranks that exited with status 0.
-    Raises Unrecoverable naming what was lost, TrainingFinished when nothing needs recovering.
+    both keep their process and host buffers); `finished`: ranks that exited with status 0,
+    replaced like failed ones unless no rank is live. Raises Unrecoverable naming what was
+    lost, TrainingFinished when every rank that did not fail had finished.
     """
     live = set(holdings)
     done = set(finished)
@@ -63,11 +64,9 @@ def plan_recovery(
             f"rank(s) {sorted(done)} finished training before rank(s) {sorted(permanent)} "
             "failed: the failure came after the job's last collective; nothing to recover"
         )
-    if done:
-        raise Unrecoverable(
-            f"rank(s) {sorted(done)} finished training and exited while rank(s) "
-            f"{sorted(live)} were still in the job's last steps: the exited ranks' state is gone"
-        )
+    # Some exited 0 while others are still in the job's last steps: their state went with
+    # them, so they are replaced like failed ranks (the live ones redo the last steps).
+    permanent = permanent | done
     if not live:
         raise Unrecoverable("every rank failed: no state survives in memory")
     new_view = view

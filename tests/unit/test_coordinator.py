@@ -165,17 +165,14 @@ def test_a_failure_after_every_other_rank_finished_training_ends_the_job_as_fini
     ]
 
 
-def test_ranks_still_recovering_beside_finished_ones_is_unrecoverable(kv):
+def test_a_rank_that_finished_beside_live_ones_is_replaced_like_a_failed_one(kv):
     coord, _ = make(kv)
     rec = coord.order({1}, "rank 1 exited", 1.0)
-    holdings(kv, 1, [2, 3])  # they had not exited when the order reached them
-    held = coord.gather(rec, lambda r: None, None, finished=lambda r: r == 0)
-    with pytest.raises(Unrecoverable, match=r"rank\(s\) \[0\] finished training and exited"):
-        coord.decide(rec, held, ["spare-0"])
-    assert (
-        "still in the job's last steps"
-        in PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1))).unrecoverable
-    )
+    holdings(kv, 1, [0, 3])  # they had not exited when the order reached them
+    held = coord.gather(rec, lambda r: None, None, finished=lambda r: r == 2)
+    assert rec.finished == {2} and rec.permanent == {1}
+    plan = coord.decide(rec, held, ["spare-0", "spare-1"])
+    assert plan.replaced == {1: "spare-0", 2: "spare-1"} and plan.local_restores == (0, 3)
 
 
 def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteration(kv, tmp_path):

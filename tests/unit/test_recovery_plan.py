@@ -98,9 +98,12 @@ def test_a_failure_after_everyone_else_finished_needs_no_recovery():
         TrainingFinished, match=r"\[0, 2, 3\] finished training before rank\(s\) \[1\]"
     ):
         plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, {}, finished={0, 2, 3})
-    # some still live beside finished ones: their exited peers' state is gone
-    with pytest.raises(Unrecoverable, match=r"\[0\] finished training and exited while.*\[2, 3\]"):
+    # some still live beside finished ones: those are replaced like failed ranks (here rank 0
+    # and rank 1 held each other's replica only: both copies are gone)
+    with pytest.raises(Unrecoverable, match="rank 0.*replicated on ranks \\[1\\] only"):
         plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, holdings(TOPO_DP4, {0, 1}), finished={0})
+    plan = plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, holdings(TOPO_DP4, {1, 3}), finished={3})
+    assert plan.replaced == {1: "spare-0", 3: "spare-1"} and plan.local_restores == (0, 2)
     with pytest.raises(ValueError, match=r"ranks \[3\] are neither live, failed nor finished"):
         plan_recovery(view(TOPO_DP4), TOPO_DP4, {1}, {}, finished={0, 2})
 
