@@ -43,27 +43,29 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def latest_iteration(root: str) -> int | None:
-    """The newest complete checkpoint's iteration, or None when there is none."""
+def _tracker_text(root: str) -> str | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     with open(path) as fh:
-        text = fh.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number")
-    return int(text)
+        return fh.read().strip()
+
+
+def latest_iteration(root: str) -> int | None:
+    """The newest complete checkpoint's iteration, or None when there is none."""
+    text = _tracker_text(root)
+    if text is not None and not text.isdigit():
+        raise CheckpointError(
+            f"{os.path.join(root, TRACKER)} holds {text!r}, not an iteration number"
+        )
+    return None if text is None else int(text)
 
 
 def tracked_iteration(root: str) -> int | None:
     """The iteration the tracker names, for Megatron-LM's checkpoints too (the same file); None
     without one, or when it names Megatron-LM's `release`."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        text = fh.read().strip()
-    return int(text) if text.isdigit() else None
+    text = _tracker_text(root)
+    return int(text) if text is not None and text.isdigit() else None
 
 
 def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> dict:
