@@ -223,7 +223,9 @@ class DeadpoolConfig:
         "kill-spare@INDEX:ITER; PHASE: forward, backward, "
         "optimizer, snapshot, replicate, recovery (in whichever process holds RANK while it "
         "recovers from a failure in ITER), save (after writing the checkpoint of ITER, before "
-        "it is marked complete). Each fault fires once per job.",
+        "it is marked complete; the save at the end too), finish (kill only, ITER the last "
+        "iteration: after RANK finished training, its final save and the replication's agreed "
+        "stop). Each fault fires once per job.",
     )
     deadpool_store: str = knob(
         "tcp",
