@@ -168,9 +168,13 @@ class DeadpoolConfig:
         "tcp",
         "How replicas travel the DP ring: tcp (a plain TCP connection per ring edge and "
         "direction, on the interface GLOO_SOCKET_IFNAME names or else the one that routes to "
-        "MASTER_ADDR, which a recovery's stop ends at once) or gloo (a gloo group per ring edge; gloo can leave the replication thread "
-        "waiting until --distributed-timeout-minutes after a transfer cut mid-message).",
-        choices=("gloo", "tcp"),
+        "MASTER_ADDR, which a recovery's stop ends at once; between two ranks on one host the "
+        "receiver reads a replica's parts from the sender's memory itself with one copy, "
+        "process_vm_readv, where the kernel allows it), tcp-stream (the same connections, "
+        "every byte through them) or gloo (a gloo group per ring edge; gloo can leave the "
+        "replication thread waiting until --distributed-timeout-minutes after a transfer cut "
+        "mid-message).",
+        choices=("gloo", "tcp", "tcp-stream"),
     )
     deadpool_heartbeat_interval: float = knob(
         0.5, "Seconds between heartbeats (they start after the first iteration)."

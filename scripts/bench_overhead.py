@@ -20,6 +20,7 @@ difference of the whole process's CPU time, a noisier figure).
 
     python scripts/bench_overhead.py                     # 2 CPU ranks (DP2), 41 MB shards
     python scripts/bench_overhead.py --transports gloo   # one transport, 8 windows
+    python scripts/bench_overhead.py --transports tcp-stream,tcp   # streamed against read
     python scripts/bench_overhead.py --nproc 8 --tp 2 --pp 2
 """
 
@@ -82,7 +83,7 @@ def _transports(value: str) -> list[str]:
     return names
 
 
-TRANSPORTS = ("gloo", "tcp")  # --deadpool-transport's choices
+TRANSPORTS = ("gloo", "tcp", "tcp-stream")  # --deadpool-transport's choices
 
 
 def protected_by(iteration: int, warmup: int, window: int, transports: list[str]) -> str | None:
@@ -297,14 +298,16 @@ def plot(summary: dict, path: Path) -> None:
     its = [int(i) for i in summary["per_iteration_ms"]]
     ms = list(summary["per_iteration_ms"].values())
     on = [summary["per_iteration_on"][str(i)] for i in its]
-    colors = {None: "tab:blue", "gloo": "tab:red", "tcp": "tab:orange"}
+    colors = {None: "tab:blue", "gloo": "tab:red", "tcp": "tab:orange", "tcp-stream": "tab:green"}
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.bar(its, ms, color=[colors[o] for o in on])
     ax.axhline(summary["median_iter_ms_off"], color="tab:blue", ls="--", label="median off")
     for t, fig_t in summary["by_transport"].items():
         ax.axhline(fig_t["median_iter_ms_on"], color=colors[t], ls="--",
                    label=f"median on, {t} (ratio {fig_t['ratio']:.3f})")  # fmt: skip
-    ax.set_xlabel("iteration (blue: protection off; red: on, gloo; orange: on, tcp)")
+    names = {"gloo": "red", "tcp": "orange", "tcp-stream": "green"}
+    shown = "; ".join(f"{names[t]}: on, {t}" for t in summary["by_transport"])
+    ax.set_xlabel(f"iteration (blue: protection off; {shown})")
     ax.set_ylabel("iteration time (ms)")
     ax.set_title(
         f"DeadPool overhead, {summary['shape']}: best ratio {summary['ratio']:.3f} "

@@ -12,15 +12,17 @@ the other's successor and predecessor) or has both abort 0-50 ms apart (`both`);
 survivors abort as a recovery does (cut the connections, then stop the pipeline) and report
 whether the replication thread stopped within the limit. Each round runs once per variant,
 in turn, with the same timing: over gloo, the payload in one message, in parts one at a time,
-and in parts two in flight each way; over tcp (`--deadpool-transport tcp`: a connection per
-ring edge and direction that the stop shuts down), in parts one at a time. `--variants`
-picks some. Prints a table and, last, one JSON object:
+and in parts two in flight each way; over tcp connections (a connection per ring edge and
+direction that the stop shuts down), in parts one at a time: streamed (`tcp-stream`) and read
+from the sender's memory by the receiver (`tcp`, what `--deadpool-transport tcp` does between
+two ranks on one host). `--variants` picks some. Prints a table and, last, one JSON object:
 {"mib", "rounds", "chunk_bytes", "window_parts", "left_behind": {mode: {variant: n}},
 "processes": {mode: n}}.
 
     python scripts/bench_replica_abort.py                 # 64 MiB, 20 rounds per mode
     python scripts/bench_replica_abort.py --rounds 3 --mib 16
     python scripts/bench_replica_abort.py --variants gloo-parts,tcp   # the two transports
+    python scripts/bench_replica_abort.py --variants tcp-stream,tcp   # streamed or read
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ MODES = ("kill", "both")
 ONE_MESSAGE = 1 << 40  # a part larger than any payload
 # name -> (transport, part size (None: replicator.CHUNK_BYTES), parts in flight each way)
 VARIANTS = {"gloo-one-message": ("gloo", ONE_MESSAGE, 1), "gloo-parts": ("gloo", None, 1),
-            "gloo-parts-two-in-flight": ("gloo", None, 2), "tcp": ("tcp", None, 1)}  # fmt: skip
+            "gloo-parts-two-in-flight": ("gloo", None, 2), "tcp-stream": ("tcp-stream", None, 1),
+            "tcp": ("tcp", None, 1)}  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -59,8 +59,9 @@ def main(rank: int, store_file: str, chunk: int, window: int, mode: str, mib: in
     parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
     nbytes = mib << 20
     topo = Topology(2, 1, 1)
-    if transport == "tcp":
-        ring = tcp_ring(topo, 1, parallel.dp_group(), "127.0.0.1", 0, 600.0)
+    if transport in ("tcp", "tcp-stream"):
+        ring = tcp_ring(topo, 1, parallel.dp_group(), "127.0.0.1", 0, 600.0,
+                        pull=transport == "tcp")  # fmt: skip
     else:
         ring = GlooTransport(parallel.ring_pairs(topo, 1), gloo_ops.OpenWork)
     pipeline = ProtectionPipeline(Shard(nbytes), ring, [1 - rank], [1 - rank], {1 - rank: nbytes},

@@ -14,11 +14,20 @@ the caller (a collective over the ring's members), every rank connects to its su
 and then accepts its predecessors; a connection opens with a hello naming its two ends and
 the generation, and one that does not name this rank's expected predecessor in this
 generation is refused.
+
+Between two ranks on one host a payload need not cross the kernel twice (`send` into socket
+buffers, `recv` out of them): `negotiate_pull` finds the edges whose receiver can read the
+sender's memory itself (cma.py, one copy), and on those a large message goes as an offer (its
+address and length); the receiver reads it, then answers, and the sender's operation ends
+with the answer. A receiver the kernel refuses answers "stream it" and the bytes follow on
+the connection. Both ends of an edge decide by the message's size alone (PULL_MIN_BYTES), so
+they never disagree on what comes next.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import ipaddress
 import logging
@@ -34,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cma
 from .transport import Transport
 
 log = logging.getLogger("deadpool.replicate")
@@ -42,6 +52,14 @@ HELLO = struct.Struct("<8sqqq")  # magic, sender's rank, receiver's rank, genera
 MAGIC = b"DPREPL01"
 HELLO_TIMEOUT_S = 5.0
 SOCKET_BUFFER_BYTES = 4 << 20  # a replica part (replicator.CHUNK_BYTES) in flight at once
+# Pull edges: a message of at least this size is offered, smaller ones (a replica's header,
+# its metadata) are streamed; what a read costs beyond its bytes is a system call and a reply.
+PULL_MIN_BYTES = 64 << 10
+PROBE = struct.Struct("<8sqQ16s")  # magic, sender's pid (0: no offer), address of the token, token
+PROBE_MAGIC = b"DPPULL01"
+OFFER = struct.Struct("<8sQQ")  # magic, address, length of a message the receiver reads
+OFFER_MAGIC = b"DPOFFER1"
+PULLED, STREAM_IT = b"\x01", b"\x02"  # a receiver's answer to an offer
 
 
 class TransportAborted(ConnectionError):
@@ -176,22 +194,80 @@ def connect_ring(
     return send_to, recv_from
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
+def _read_exactly(sock: socket.socket, n: int, before: str = "its hello") -> bytes:
     data = b""
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
-            raise ConnectionError("closed before its hello")
+            raise ConnectionError(f"closed before {before}")
         data += chunk
     return data
 
 
+def negotiate_pull(
+    send_to: Mapping[int, socket.socket],
+    recv_from: Mapping[int, socket.socket],
+    timeout_s: float,
+    offer: bool = True,
+) -> tuple[set[int], dict[int, int]]:
+    """Which edges move large messages by the receiver's own read of the sender's memory.
+
+    Every sender offers its pid and the address of a random token (pid 0 with `offer` off);
+    every receiver tries to read the token there and answers whether it got it: on another
+    host, in another PID namespace, or where the kernel forbids it, it does not. Each rank
+    sends its probes before it waits for any, and answers before it reads answers: no cycle.
+    Returns the successors that will read from this rank, and the pid of every predecessor
+    this rank reads from."""
+    token = os.urandom(16)
+    probe = ctypes.create_string_buffer(token, len(token))
+    pulled_by: set[int] = set()
+    pull_from: dict[int, int] = {}
+    refused: dict[int, str] = {}
+    for sock in [*send_to.values(), *recv_from.values()]:
+        sock.settimeout(timeout_s)
+    for sock in send_to.values():
+        sock.sendall(PROBE.pack(PROBE_MAGIC, os.getpid() if offer else 0,
+                                ctypes.addressof(probe), token))  # fmt: skip
+    for src, sock in recv_from.items():
+        magic, pid, address, expected = PROBE.unpack(_read_exactly(sock, PROBE.size, "its probe"))
+        if magic != PROBE_MAGIC:
+            raise ConnectionError(f"rank {src} sent no probe: the two ends run different versions")
+        got = bytearray(len(expected))
+        if pid and offer:
+            try:
+                cma.read_from(pid, address, memoryview(got))
+            except OSError as err:  # refused, or a namesake process of another namespace gone
+                refused[src] = str(err)
+            else:
+                if bytes(got) != expected:
+                    refused[src] = "its pid names another process here (another host?)"
+        ok = bool(pid and offer) and src not in refused
+        sock.sendall(b"\x01" if ok else b"\x00")
+        if ok:
+            pull_from[src] = pid
+    for dst, sock in send_to.items():
+        if _read_exactly(sock, 1, "its answer to the probe") == b"\x01":
+            pulled_by.add(dst)
+    del probe  # read by the receivers until here
+    for src, why in refused.items():
+        log.info("replicas from rank %d are streamed: reading its memory failed (%s)", src, why)
+    if pull_from:
+        log.info("replicas from rank(s) %s are read from their memory (one copy)",
+                 sorted(pull_from))  # fmt: skip
+    return pulled_by, pull_from
+
+
 class _Op:
-    """One posted send or receive: the tensor's bytes and how far it got."""
+    """One posted send or receive: the tensor's bytes, its phase and how far it got.
 
-    __slots__ = ("tensor", "view", "offset", "error")
+    Phases: "stream" (the bytes go through the connection), or on a pull edge "offer" (the
+    sender writes, the receiver reads, the offer's bytes), then "answer" (the receiver, having
+    read the bytes itself, writes its answer; the sender reads it), then done, or "stream" if
+    the answer was `STREAM_IT`. None: done."""
 
-    def __init__(self, tensor: torch.Tensor):
+    __slots__ = ("tensor", "view", "offset", "error", "phase", "frame", "frame_offset", "answer")
+
+    def __init__(self, tensor: torch.Tensor, pull: bool = False):
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError("the tcp transport moves contiguous host tensors only")
         self.tensor = tensor  # keeps the memory alive while the op is open
@@ -202,10 +278,18 @@ class _Op:
         )
         self.offset = 0
         self.error: BaseException | None = None
+        self.phase: str | None = ("offer" if pull else "stream") if len(self.view) else None
+        self.frame = memoryview(bytearray(OFFER.size))  # the offer, written or read
+        self.frame_offset = 0
+        self.answer = PULLED
 
     @property
     def done(self) -> bool:
-        return self.offset >= len(self.view)
+        return self.phase is None
+
+    def reads(self, kind: str) -> bool:
+        """Whether its next step reads from the connection (else it writes)."""
+        return (kind == "receive") != (self.phase == "answer")
 
 
 class TcpWork:
@@ -234,7 +318,15 @@ class TcpTransport(Transport):
         recv_from: Mapping[int, socket.socket],
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        pulled_by: Iterable[int] = (),
+        pull_from: Mapping[int, int] | None = None,
     ):
+        """`pulled_by`: successors that read large messages from this process's memory;
+        `pull_from`: the pid of each predecessor whose large messages this process reads
+        (`negotiate_pull`)."""
+        self._pulled_by = set(pulled_by)
+        self._pull_from = dict(pull_from or {})
+        self._refused: set[int] = set()  # predecessors whose memory the kernel would not read
         self._send_to = dict(send_to)
         self._recv_from = dict(recv_from)
         self.timeout_s = timeout_s
@@ -293,7 +385,9 @@ class TcpTransport(Transport):
         if peer not in queues:
             raise ValueError(f"no replica connection to {kind} {'to' if kind == 'send' else 'from'} "
                              f"rank {peer}: connections to {sorted(queues)}")  # fmt: skip
-        op = _Op(tensor)
+        edges = self._pulled_by if kind == "send" else self._pull_from
+        op = _Op(tensor, pull=peer in edges and tensor.numel() * tensor.element_size()
+                 >= PULL_MIN_BYTES)  # fmt: skip
         failed = self._failed.get((kind, peer))
         if failed is not None:
             op.error = failed
@@ -314,13 +408,15 @@ class TcpTransport(Transport):
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
             by_fd = {}
-            for kind, queues, conns, mask in (("receive", self._recvs, self._recv_from, select.POLLIN),
-                                              ("send", self._sends, self._send_to, select.POLLOUT)):  # fmt: skip
+            for kind, queues, conns in (("receive", self._recvs, self._recv_from),
+                                        ("send", self._sends, self._send_to)):  # fmt: skip
                 for peer, queue in queues.items():
                     if queue:
                         sock = conns[peer]
                         by_fd[sock.fileno()] = (kind, peer, sock, queue)
-                        poller.register(sock, mask)
+                        poller.register(
+                            sock, select.POLLIN if queue[0].reads(kind) else select.POLLOUT
+                        )
             left = self.timeout_s - (self._clock() - last_progress)
             if left <= 0:
                 peers = ", ".join(f"{k} {'to' if k == 'send' else 'from'} rank {p}"
@@ -342,18 +438,64 @@ class TcpTransport(Transport):
     def _step(self, kind: str, peer: int, sock: socket.socket, queue: deque[_Op]) -> bool:
         op = queue[0]
         try:
-            if kind == "send":
-                n = sock.send(op.view[op.offset :])
-            else:
-                n = sock.recv_into(op.view[op.offset :])
-                if n == 0:
-                    raise ConnectionResetError("end of stream")
+            moved = self._advance(kind, peer, sock, op)
         except (BlockingIOError, InterruptedError):
             return False
-        op.offset += n
         if op.done:
             queue.popleft()
-        return n > 0
+        return moved
+
+    def _advance(self, kind: str, peer: int, sock: socket.socket, op: _Op) -> bool:
+        """One step of `op` on its connection, which poll found ready for it."""
+        if op.phase == "stream":
+            n = _move(sock, kind, op.view[op.offset :])
+            op.offset += n
+            if op.offset >= len(op.view):
+                op.phase = None
+            return n > 0
+        if op.phase == "offer":
+            if kind == "send" and op.frame_offset == 0:
+                op.frame[:] = OFFER.pack(OFFER_MAGIC, op.tensor.data_ptr(), len(op.view))
+            n = _move(sock, kind, op.frame[op.frame_offset :])
+            op.frame_offset += n
+            if op.frame_offset == OFFER.size:
+                op.phase = "answer"
+                if kind == "receive":
+                    self._pull(peer, op)
+            return n > 0
+        # "answer": the receiver writes it, the sender reads it
+        if kind == "receive":
+            n = sock.send(op.answer)
+            if n:
+                op.phase = None if op.answer == PULLED else "stream"
+            return n > 0
+        answer = sock.recv(1)
+        if not answer:
+            raise ConnectionResetError("end of stream")
+        if answer not in (PULLED, STREAM_IT):
+            raise RuntimeError(f"rank {peer} answered an offer with {answer!r}: the two ends "
+                               f"run different versions")  # fmt: skip
+        op.phase = None if answer == PULLED else "stream"
+        return True
+
+    def _pull(self, peer: int, op: _Op) -> None:
+        """Read an offered message from the sender's memory into `op`'s tensor (one copy); if
+        the kernel refuses, once, answer "stream it" to this one and every later offer."""
+        magic, address, nbytes = OFFER.unpack(op.frame)
+        if magic != OFFER_MAGIC or nbytes != len(op.view):
+            raise RuntimeError(f"rank {peer} offered {nbytes} bytes where {len(op.view)} were "
+                               f"expected (magic {magic!r}): the two ends disagree")  # fmt: skip
+        op.answer = STREAM_IT
+        if peer in self._refused:
+            return
+        try:
+            cma.read_from(self._pull_from[peer], address, op.view)
+        except cma.PullRefused as err:  # e.g. memory the kernel will not read (pinned?)
+            self._refused.add(peer)
+            log.warning("replicas from rank %d are streamed from now on: reading its memory "
+                        "failed (%s)", peer, err)  # fmt: skip
+            return
+        op.answer = PULLED
 
     def _fail(self, kind: str, peer: int, queue: deque[_Op], err: OSError) -> None:
         """A connection broke: every operation posted on it, and every later one, fails. The
@@ -365,3 +507,13 @@ class TcpTransport(Transport):
         self._failed[(kind, peer)] = error
         while queue:
             queue.popleft().error = error
+
+
+def _move(sock: socket.socket, kind: str, view: memoryview) -> int:
+    """Send from, or receive into, `view` what the connection takes or has now."""
+    if kind == "send":
+        return sock.send(view)
+    n = sock.recv_into(view)
+    if n == 0:
+        raise ConnectionResetError("end of stream")
+    return n

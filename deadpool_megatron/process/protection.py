@@ -47,11 +47,12 @@ def build_pipeline(
     )
     k = cfg.deadpool.deadpool_replicas
     ring = parallel.dp_group()
-    if cfg.deadpool.deadpool_transport == "tcp":
+    if cfg.deadpool.deadpool_transport in ("tcp", "tcp-stream"):
         # The interface gloo is told to use, if any (its first, when several are named).
         ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0] or None
         transport = tcp_ring(topo, k, ring, env.master_addr, generation,
-                             cfg.system.distributed_timeout_minutes * 60, ifname)  # fmt: skip
+                             cfg.system.distributed_timeout_minutes * 60, ifname,
+                             pull=cfg.deadpool.deadpool_transport == "tcp")  # fmt: skip
     else:
         transport = GlooTransport(parallel.ring_pairs(topo, k), gloo_ops.OpenWork)
     coords = topo.coords(rank)
@@ -90,11 +91,14 @@ def tcp_ring(
     generation: int,
     timeout_s: float,
     interface: str | None = None,
+    pull: bool = True,
 ) -> Transport:
     """Connections to this rank's ring successors and from its predecessors: each member
     listens on a fresh port of `interface` (a network interface's name), or else of the
     interface that routes to MASTER_ADDR; the ring's members exchange their addresses (a
-    collective of the training thread), then connect."""
+    collective of the training thread), then connect. With `pull`, a receiver on the sender's
+    host reads large messages from the sender's memory itself where the kernel lets it
+    (`tcp_transport.negotiate_pull`)."""
     rank = dist.get_rank()
     host = (
         tcp_transport.interface_address(interface)
@@ -120,7 +124,15 @@ def tcp_ring(
         topo.ring_predecessors(rank, k),
         timeout_s,
     )
-    return tcp_transport.TcpTransport(send_to, recv_from, timeout_s)
+    try:
+        pulled_by, pull_from = tcp_transport.negotiate_pull(send_to, recv_from, timeout_s, pull)
+    except BaseException:
+        for sock in [*send_to.values(), *recv_from.values()]:
+            sock.close()
+        raise
+    return tcp_transport.TcpTransport(
+        send_to, recv_from, timeout_s, pulled_by=pulled_by, pull_from=pull_from
+    )
 
 
 def _encode(sockname: tuple) -> list[int]:

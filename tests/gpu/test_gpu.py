@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -105,3 +106,36 @@ def test_bf16_transformer_engine_job_protected_for_50_iterations_equals_unprotec
     assert protected.returncode == 0, protected.failure()
     assert "with the transformer_engine layer spec" in protected.output
     assert protected.losses == plain.losses and protected.digest == plain.digest
+
+
+def test_a_pinned_snapshot_slot_reaches_its_ring_successor_whole():
+    """A CUDA job's snapshot slots are pinned memory; between two ranks on one host the ring
+    successor reads their parts with process_vm_readv (`--deadpool-transport tcp`). Whether the
+    kernel reads pinned pages or refuses them (the transport then streams) is recorded; the
+    replica must arrive whole either way."""
+    from rings import tcp_ring
+
+    from deadpool_megatron.checkpoint.buffers import allocate
+
+    nbytes = 9 << 20  # three parts
+    slot = allocate(nbytes, pin=True)
+    assert slot.is_pinned()
+    slot.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    sender, receiver = tcp_ring(2, pull=True)
+    replica = torch.empty(nbytes, dtype=torch.uint8)
+    parts = list(zip(slot.split(4 << 20), replica.split(4 << 20), strict=True))
+    for src, dst in parts:
+        receive = receiver.irecv(dst, 0)
+        send = sender.isend(src, 1)
+        done = threading.Thread(target=send.wait)
+        done.start()
+        receive.wait()
+        done.join(30)
+    assert torch.equal(replica, slot)
+    refused = 0 in receiver._refused
+    for t in (sender, receiver):
+        t.close()
+    out = os.environ.get("DEADPOOL_GPU_RESULTS")
+    if out:  # scripts/gpu_check.sh reports it
+        with open(out, "a") as fh:
+            fh.write(json.dumps({"pinned_slot_read_across_processes": not refused}) + "\n")

@@ -141,6 +141,9 @@ def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_
     for generation in range(3):  # every rank's ring, at the start and after each recovery
         line = f"replica ring of generation {generation} over tcp"
         assert result.output.count(line) == 4, (generation, result.output)
+    # One host: every receiver reads its predecessor's parts from its memory, in each of the
+    # three generations (the spare's ring included).
+    assert result.output.count("are read from their memory (one copy)") == 3 * 4
 
 
 def test_without_the_fork_server_every_process_is_its_own_interpreter_and_trains_alike(

@@ -102,22 +102,25 @@ def test_two_replicas_corruption_rejected_and_restore_in_dp4(tmp_path, baseline_
 
 
 def test_overhead_benchmark_compares_the_transports_in_one_run(tmp_path):
-    """scripts/bench_overhead.py's short form: gloo's and tcp's windows alternate in one job,
-    each transport gets its own figures, and both keep every replica current."""
+    """scripts/bench_overhead.py's short form: the windows of gloo, of tcp streamed and of tcp
+    read from the sender's memory alternate in one job, each transport gets its own figures,
+    and each keeps every replica current."""
     out = tmp_path / "overhead.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--window", "2",
-         "--windows", "4", "--warmup", "1", "--hidden-size", "64", "--num-layers", "2",
-         "--global-batch-size", "8", "--out", str(out)],
+         "--windows", "6", "--warmup", "1", "--hidden-size", "64", "--num-layers", "2",
+         "--global-batch-size", "8", "--transports", "gloo,tcp-stream,tcp", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     last = json.loads(done.stdout.strip().splitlines()[-1])
-    assert last["transport"] in ("gloo", "tcp")
-    assert last["ratio"] == min(last["ratio_gloo"], last["ratio_tcp"])
+    transports = ("gloo", "tcp-stream", "tcp")
+    assert last["transport"] in transports
+    assert last["ratio"] == min(last[f"ratio_{t}"] for t in transports)
     assert last["ratio_by_neighbours"] > 0
     summary = json.loads(out.read_text())
-    assert [w["on"] for w in summary["windows"]] == [None, "gloo", None, "tcp"]
+    assert [w["on"] for w in summary["windows"]] == [None, "gloo", None, "tcp-stream", None, "tcp"]
+    assert "are read from their memory (one copy)" in done.stdout + done.stderr
     for figures in summary["by_transport"].values():
         assert figures["replica_lag_max"] <= 1 and figures["rejected"] == 0
         assert figures["replicate_ms"] > 0  # replicas went out over each

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from rings import tcp_ring
 from test_replication_stop import NBYTES, OneTensor
 from waiting import until
 
@@ -38,27 +39,6 @@ from deadpool_megatron.failure.evidence import is_peer_loss_message
 from deadpool_megatron.process.protection import _decode, _encode
 
 
-def _ring(n: int, generation: int = 3, timeout_s: float = 10.0) -> list[TcpTransport]:
-    """A DP ring of `n` ranks in this process (one thread per rank sets its connections up)."""
-    listeners = [listen("127.0.0.1") for _ in range(n)]
-    addresses = {r: Address("127.0.0.1", lst.getsockname()[1]) for r, lst in enumerate(listeners)}
-    out: dict[int, TcpTransport] = {}
-
-    def rank(r: int) -> None:
-        succ, pred = (r + 1) % n, (r - 1) % n
-        send_to, recv_from = connect_ring(r, generation, listeners[r], {succ: addresses[succ]},
-                                          [pred], timeout_s)  # fmt: skip
-        out[r] = TcpTransport(send_to, recv_from, timeout_s)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert sorted(out) == list(range(n))
-    return [out[r] for r in range(n)]
-
-
 def _bytes(n: int, seed: int) -> torch.Tensor:
     return torch.randint(
         0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
@@ -68,7 +48,7 @@ def _bytes(n: int, seed: int) -> torch.Tensor:
 def test_messages_arrive_in_order_both_ways_with_receives_waited_first():
     """Each rank posts its receives, then its sends, and waits for the receives first: sends
     must progress while a rank waits on a receive, or two ranks would wait on each other."""
-    transports = _ring(2)
+    transports = tcp_ring(2)
     sizes = [24, 0, 9_000_000, 1, 4 << 20]  # a header, nothing, parts larger than a buffer
     results: dict[int, list[torch.Tensor]] = {}
 
@@ -97,7 +77,7 @@ def test_messages_arrive_in_order_both_ways_with_receives_waited_first():
 def test_the_replication_pipeline_runs_over_it():
     """Three ranks, each replicating its snapshot to its successor through the real pipeline;
     every replica equals its predecessor's state, and the agreed stop ends every thread."""
-    transports = _ring(3)
+    transports = tcp_ring(3)
     states = [OneTensor() for _ in range(3)]
     for r, s in enumerate(states):
         s.t.mul_(r + 1)
@@ -179,7 +159,7 @@ def test_a_peer_that_goes_away_mid_message_fails_the_receive_at_once():
 
 
 def test_an_abort_from_another_thread_wakes_a_wait():
-    transports = _ring(2)
+    transports = tcp_ring(2)
     pending = transports[0].irecv(torch.empty(100, dtype=torch.uint8), 1)
     threading.Timer(0.2, transports[0].abort).start()
     with pytest.raises(TransportAborted):
@@ -193,7 +173,7 @@ def test_an_abort_from_another_thread_wakes_a_wait():
 def test_an_abort_after_close_touches_no_descriptor():
     """The replication thread closes its transport when it ends; a recovery's stop aborts it
     later: the closed descriptors' numbers may belong to other files by then."""
-    transports = _ring(2)
+    transports = tcp_ring(2)
     held = transports[0]._wake_w  # the number its abort would write to
     transports[0].close()
     r, w = os.pipe()
