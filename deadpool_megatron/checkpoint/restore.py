@@ -3,23 +3,41 @@
 Two sources, as in the paper: the rank's own host snapshot (a transient failure: the process
 survived), or the ring replica of its optimizer shard held by a DP successor plus the model
 parameters of a DP peer with the same TP/PP coordinates (a permanent failure: a fresh process
-takes over). Transfers are point-to-point between exactly the ranks involved.
+takes over). Transfers are point-to-point between exactly the ranks involved. A sender may
+offer its bytes to be read instead (`offer`): a receiver on the same host reads them from the
+sender's memory with one copy (cma.py) and says so, else it asks for them on the group.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..errors import DeadpoolError
-from . import metadata
+from . import cma, metadata
 from .buffers import MAX_META_BYTES, Slot, SlotPair, checksum
 from .layout import ProtectedState
 
-_HEADER = struct.Struct("<qqQ")  # iteration, meta length, checksum (over all three parts)
+# iteration, meta length, checksum (over all three parts); then, for an offer, the sender's
+# pid (0: no offer), the address of the data and the sender's host (cma.host_id)
+_HEADER = struct.Struct("<qqQqQQ")
+PULLED, STREAM_IT = 1, 2  # a receiver's answer to an offer
+HOST = cma.host_id()
+
+
+class Part(NamedTuple):
+    """A part as it arrived: verified bytes, the metadata and iteration they are of, and
+    whether they were read from the sender's memory (else they came over the group)."""
+
+    data: torch.Tensor
+    meta: bytes
+    iteration: int
+    pulled: bool
 
 
 @dataclass(frozen=True)
@@ -72,17 +90,33 @@ def restore_from_parts(
     return info["iteration"]
 
 
-def send_part(data: torch.Tensor, meta: bytes, iteration: int, dst: int, group=None) -> None:
-    """Send a verified part (replica or parameters) with its iteration and checksum."""
-    header = _HEADER.pack(iteration, len(meta), checksum(data, meta, iteration))
+def send_part(
+    data: torch.Tensor, meta: bytes, iteration: int, dst: int, group=None, offer: bool = False
+) -> None:
+    """Send a verified part (replica or parameters) with its iteration and checksum. With
+    `offer`, `dst` may read the bytes from this process instead; they must stay as they are
+    until this returns."""
+    data = data.contiguous()
+    pid, address = (os.getpid(), data.data_ptr()) if offer and HOST and data.numel() else (0, 0)
+    header = _HEADER.pack(iteration, len(meta), checksum(data, meta, iteration), pid, address, HOST)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
     if meta:
         dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst, group=group)
-    dist.send(data.contiguous(), dst, group=group)
+    if pid:
+        answer = torch.zeros(1, dtype=torch.uint8)
+        dist.recv(answer, dst, group=group)
+        if int(answer) == PULLED:
+            return
+    dist.send(data, dst, group=group)
 
 
 def send_replica(
-    replicas: dict[int, SlotPair], owner: int, dst: int, group=None, iteration: int | None = None
+    replicas: dict[int, SlotPair],
+    owner: int,
+    dst: int,
+    group=None,
+    iteration: int | None = None,
+    offer: bool = False,
 ) -> int:
     """Serve the committed replica of `owner`'s shard (of `iteration`, default the newest) to
     `dst`, holding it meanwhile so the replication thread cannot overwrite it; returns the
@@ -96,14 +130,19 @@ def send_replica(
         )
     pair.hold(slot)
     try:
-        send_part(slot.buffer, slot.meta, slot.iteration, dst, group)
+        send_part(slot.buffer, slot.meta, slot.iteration, dst, group, offer)
     finally:
         pair.release(slot)
     return slot.iteration
 
 
 def send_parameters(
-    snapshots: SlotPair, optimizer_nbytes: int, dst: int, group=None, iteration: int | None = None
+    snapshots: SlotPair,
+    optimizer_nbytes: int,
+    dst: int,
+    group=None,
+    iteration: int | None = None,
+    offer: bool = False,
 ) -> int:
     """Serve the parameter part of this rank's committed snapshot (of `iteration`, default the
     newest) to `dst` (a DP peer with the same TP/PP coordinates needs exactly these bytes);
@@ -116,17 +155,18 @@ def send_parameters(
         )
     snapshots.hold(slot)
     try:
-        send_part(slot.buffer[optimizer_nbytes:], b"", slot.iteration, dst, group)
+        send_part(slot.buffer[optimizer_nbytes:], b"", slot.iteration, dst, group, offer)
     finally:
         snapshots.release(slot)
     return slot.iteration
 
 
-def recv_part(nbytes: int, src: int, group=None) -> tuple[torch.Tensor, bytes, int]:
-    """Receive a part sent by send_part; raises DeadpoolError when it arrives corrupt."""
+def recv_part(nbytes: int, src: int, group=None) -> Part:
+    """Receive a part sent by send_part (reading it from the sender where it offers that and
+    can be read); raises DeadpoolError when it arrives corrupt."""
     header = torch.empty(_HEADER.size, dtype=torch.uint8)
     dist.recv(header, src, group=group)
-    iteration, meta_len, digest = _HEADER.unpack(header.numpy().tobytes())
+    iteration, meta_len, digest, pid, address, host = _HEADER.unpack(header.numpy().tobytes())
     if not 0 <= meta_len <= MAX_META_BYTES:
         raise DeadpoolError(f"rank {src} announced {meta_len} bytes of metadata (at most "
                             f"{MAX_META_BYTES}): a corrupt header")  # fmt: skip
@@ -134,8 +174,25 @@ def recv_part(nbytes: int, src: int, group=None) -> tuple[torch.Tensor, bytes, i
     if meta_len:
         dist.recv(meta, src, group=group)
     data = torch.empty(nbytes, dtype=torch.uint8)
-    dist.recv(data, src, group=group)
     meta_bytes = meta.numpy().tobytes()
-    if checksum(data, meta_bytes, iteration) != digest:
-        raise DeadpoolError(f"part of iteration {iteration} from rank {src} fails its checksum")
-    return data, meta_bytes, iteration
+    pulled = False
+    if pid:
+        pulled = host == HOST and _read(pid, address, data)
+        pulled = pulled and checksum(data, meta_bytes, iteration) == digest
+        answer = torch.tensor([PULLED if pulled else STREAM_IT], dtype=torch.uint8)
+        dist.send(answer, src, group=group)
+    if not pulled:
+        dist.recv(data, src, group=group)
+        if checksum(data, meta_bytes, iteration) != digest:
+            raise DeadpoolError(f"part of iteration {iteration} from rank {src} fails its checksum")
+    return Part(data, meta_bytes, iteration, pulled)
+
+
+def _read(pid: int, address: int, into: torch.Tensor) -> bool:
+    """Whether `into` could be read from `pid`'s memory; a failure (another PID namespace, a
+    kernel that refuses) is not one of the part: it then comes over the group."""
+    try:
+        cma.read_from(pid, address, memoryview(into.numpy()))
+    except OSError:
+        return False
+    return True

@@ -496,25 +496,32 @@ class ProcessRecovery:
         me = self.env.rank
         layout = rank_state.layout
         parts: dict[str, tuple] = {}
+        # Offered to be read from this process's memory where the ring's parts are too (a
+        # receiver on this host reads it with one copy; restore.send_part).
+        offer = self.cfg.deadpool.deadpool_transport == "tcp"
         for tr in plan.transfers:  # in the plan's order on every rank: no send/recv cycle
             if tr.src == me and tr.kind == "parameters":
                 pair, _ = self.held.snapshot(tr.iteration)
-                send_parameters(pair, layout.optimizer_nbytes, tr.dst, group, tr.iteration)
+                send_parameters(pair, layout.optimizer_nbytes, tr.dst, group, tr.iteration,
+                                offer)  # fmt: skip
             elif tr.src == me:
                 pair = self.held.replica(tr.owner, tr.iteration)
-                send_replica({tr.owner: pair}, tr.owner, tr.dst, group, tr.iteration)
+                send_replica({tr.owner: pair}, tr.owner, tr.dst, group, tr.iteration, offer)
             elif tr.dst == me:
                 nbytes = (
                     layout.params_nbytes if tr.kind == "parameters" else layout.optimizer_nbytes
                 )
-                data, meta, iteration = recv_part(nbytes, tr.src, group)
-                if iteration != plan.iteration:
+                part = recv_part(nbytes, tr.src, group)
+                if part.iteration != plan.iteration:
                     raise DeadpoolError(
-                        f"rank {tr.src} sent {tr.kind} of iteration {iteration}, the plan needs "
-                        f"{plan.iteration}"
+                        f"rank {tr.src} sent {tr.kind} of iteration {part.iteration}, the plan "
+                        f"needs {plan.iteration}"
                     )
-                parts[tr.kind] = (data, meta)
+                parts[tr.kind] = (part.data, part.meta)
                 self.bytes_moved += nbytes  # counted once, by the receiver
+                log.info("received the %s of iteration %d from rank %d (%.1f MiB, %s)", tr.kind,
+                         part.iteration, tr.src, nbytes / 2**20,
+                         "read from its memory" if part.pulled else "over the group")  # fmt: skip
         c = self.topology.coords(me)
         expected = Expected(plan.iteration, (c.tp, c.pp, c.dp))
         if me in plan.local_restores:

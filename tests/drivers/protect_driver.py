@@ -143,8 +143,8 @@ class Checks:
         if self.rank == victim:
             wipe(trainer)
             start = time.perf_counter()
-            optimizer_part, meta, it_opt = recv_part(layout.optimizer_nbytes, successor)
-            params_part, _, it_params = recv_part(layout.params_nbytes, peer)
+            optimizer_part, meta, it_opt, _ = recv_part(layout.optimizer_nbytes, successor)
+            params_part, _, it_params, _ = recv_part(layout.params_nbytes, peer)
             assert it_opt == it_params == trainer.iteration, (it_opt, it_params)
             expected = Expected(trainer.iteration, self._coordinates(victim))
             restored = restore_from_parts(

@@ -3,8 +3,9 @@ job: torch's "fake" backend stands in for NCCL (it completes every operation and
 bytes). Rank 0 serves a committed replica and the parameter part of a committed snapshot to
 rank 1 through `parallel.host_group()`, exactly as a recovery's restore stage does; rank 1
 prints what arrived as JSON. Were the transfer on the default group, nothing would arrive.
+With OFFER "offer", rank 0 offers both parts to be read from its memory (restore.send_part).
 
-usage: transfer_driver.py RANK STORE_FILE
+usage: transfer_driver.py RANK STORE_FILE [OFFER]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def committed(nbytes: int, seed: int, meta: bytes) -> SlotPair:
     return pair
 
 
-def main(rank: int, store_file: str) -> None:
+def main(rank: int, store_file: str, offer: bool) -> None:
     store = dist.FileStore(store_file, 2)
     dist.init_process_group("fake", store=store, rank=rank, world_size=2)
     group = parallel.host_group()
@@ -42,12 +43,13 @@ def main(rank: int, store_file: str) -> None:
     snapshot = committed(OPTIMIZER_NBYTES + PARAMS_NBYTES, 2, b"")
     if rank == 0:
         out["sent"] = [
-            send_replica({0: replica}, 0, 1, group, ITERATION),
-            send_parameters(snapshot, OPTIMIZER_NBYTES, 1, group, ITERATION),
+            send_replica({0: replica}, 0, 1, group, ITERATION, offer),
+            send_parameters(snapshot, OPTIMIZER_NBYTES, 1, group, ITERATION, offer),
         ]
     else:
-        data, meta, iteration = recv_part(OPTIMIZER_NBYTES, 0, group)
-        params, _, params_iteration = recv_part(PARAMS_NBYTES, 0, group)
+        data, meta, iteration, pulled = recv_part(OPTIMIZER_NBYTES, 0, group)
+        params, _, params_iteration, params_pulled = recv_part(PARAMS_NBYTES, 0, group)
+        out["pulled"] = [pulled, params_pulled]
         expected = replica.committed()
         out["replica_equal"] = bool(torch.equal(data, expected.buffer)) and meta == expected.meta
         out["params_equal"] = bool(
@@ -60,4 +62,4 @@ def main(rank: int, store_file: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["offer"])

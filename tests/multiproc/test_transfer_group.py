@@ -10,12 +10,17 @@ from jobs import ROOT, run_drivers
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(180)]
 
 
-def test_transfer_uses_the_explicit_host_group_when_the_default_moves_nothing(tmp_path):
+@pytest.mark.parametrize("offer", [False, True])
+def test_transfer_uses_the_explicit_host_group_when_the_default_moves_nothing(tmp_path, offer):
+    """Offered (`--deadpool-transport tcp`), the receiver on this host reads both parts from
+    the sender's memory; the header and the answer still go over the gloo group."""
     driver = ROOT / "tests" / "drivers" / "transfer_driver.py"
     store = tmp_path / "store"
-    outs = run_drivers(driver, [[str(rank), str(store)] for rank in range(2)], timeout_s=120)
+    args = [[str(rank), str(store), *(["offer"] if offer else [])] for rank in range(2)]
+    outs = run_drivers(driver, args, timeout_s=120)
     sender, receiver = outs
     assert sender["default_backend"] == "fake" and sender["group_backend"] == "gloo"
     assert sender["sent"] == [7, 7]
     assert receiver["replica_equal"] and receiver["params_equal"]
     assert receiver["iterations"] == [7, 7]
+    assert receiver["pulled"] == [offer, offer]
