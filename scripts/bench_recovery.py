@@ -5,7 +5,9 @@ For each model size, eight or ten jobs run back to back on this machine, each st
 without and with the same failure (the same rank killed in the same iteration): hot-swap
 (--deadpool, one spare); hot-swap in which nobody builds a model ("prebuilt": survivors keep
 theirs, --deadpool-keep-model, and the spare built every rank's while idle,
---deadpool-spare-prebuild); checkpoint-restart by our launcher (`deadpool-launch
+--deadpool-spare-prebuild; "streamed", only when asked for: the same with every replica
+byte and the recovery's state transfer on connections, `--deadpool-transport tcp-stream`,
+where the default reads them from the serving rank's memory on one host); checkpoint-restart by our launcher (`deadpool-launch
 --restart-policy full`); and the restart path users know, `torchrun --max-restarts 1` with
 --load and --save (the restarts write persistent checkpoints every --save-interval
 iterations); and, when --ft-launcher names nvidia-resiliency-ext's `ft_launcher` (or one is
@@ -39,6 +41,8 @@ workers run this interpreter, through --no-python), e.g.
         --save-interval 10                                 # a quick look
     python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 128,512 --iters 30 \\
         --fail-at 25 --strategies hotswap,prebuilt --repeats 3   # the two hot-swaps, medians
+    python scripts/bench_recovery.py --nproc 4 --tp 1 --pp 2 --hidden-sizes 128,512 --iters 30 \
+        --fail-at 25 --strategies prebuilt,streamed --repeats 3   # state read or streamed
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ from results_path import results_file  # noqa: E402 (this folder, as a script)
 
 from deadpool_megatron.events import read_events  # noqa: E402
 
-HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"))
+# "streamed": prebuilt with --deadpool-transport tcp-stream (every replica byte, and the
+# recovery's state transfer, over connections: nothing read from a peer's memory)
+HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"), ("prebuilt_streamed", "streamed"))
 RESTARTS = (("ckpt_restart", "ckpt"), ("torchrun", "torchrun"), ("nvrx", "nvrx"))
 HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
                   "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
@@ -99,8 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--strategies",
         default="hotswap,prebuilt,ckpt,torchrun,nvrx",
-        help="which to run, of hotswap, prebuilt, ckpt, torchrun, nvrx (default all; nvrx only "
-        "with an ft_launcher)",
+        help="which to run, of hotswap, prebuilt, streamed, ckpt, torchrun, nvrx (default all "
+        "but streamed, which is prebuilt with --deadpool-transport tcp-stream; nvrx only with an "
+        "ft_launcher)",
     )
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each job; every figure is the median over them (default 1)")  # fmt: skip
@@ -110,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.sizes = [int(h) for h in a.hidden_sizes.split(",")]
     a.strategies = [x for x in a.strategies.split(",") if x]
-    known = ("hotswap", "prebuilt", "ckpt", "torchrun", "nvrx")
+    known = ("hotswap", "prebuilt", "streamed", "ckpt", "torchrun", "nvrx")
     unknown = [x for x in a.strategies if x not in known]
     if unknown or not a.strategies:
         p.error(f"--strategies {','.join(unknown) or '(none)'}: choose from {', '.join(known)}")
@@ -140,10 +147,12 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         job += ["--deadpool-inject", f"kill@{a.victim}:{a.fail_at}"]
     script = str(ROOT / "pretrain_gpt.py")
     launch = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc)]
-    if strategy in ("hotswap", "prebuilt"):
+    if strategy in ("hotswap", "prebuilt", "streamed"):
         cmd = [*launch, "--spares", "1", script, *job, "--deadpool"]
-        if strategy == "prebuilt":  # nobody builds: survivors keep theirs, the spare built all
+        if strategy != "hotswap":  # nobody builds: survivors keep theirs, the spare built all
             cmd += ["--deadpool-keep-model", "--deadpool-spare-prebuild", str(a.nproc)]
+        if strategy == "streamed":
+            cmd += ["--deadpool-transport", "tcp-stream"]
     else:
         job += ["--save", str(workdir / "ckpt"), "--save-interval", str(a.save_interval)]
         cmd = [*launch, "--restart-policy", "full", script, *job]
@@ -226,6 +235,7 @@ def plot(results: list[dict], path: Path) -> None:
         ("ckpt_restart", "checkpoint-restart (deadpool-launch)"),
         ("hotswap", "DeadPool hot-swap"),
         ("prebuilt", "hot-swap, models kept and prebuilt"),
+        ("prebuilt_streamed", "the same, state streamed (tcp-stream)"),
     ]
     bars = [(key, label) for key, label in bars if key in results[0]]  # fmt: skip
     width = 0.8 / len(bars)
@@ -235,7 +245,7 @@ def plot(results: list[dict], path: Path) -> None:
         lost = [r[key]["lost_s"] for r in results]
         ax.bar([i + dx for i in x], lost, width=width, label=label)
         for i in x:
-            ax.annotate(f"{lost[i]:.2f} s" if key in ("hotswap", "prebuilt") else f"{lost[i]:.1f} s",
+            ax.annotate(f"{lost[i]:.2f} s" if key in dict(HOTSWAPS) else f"{lost[i]:.1f} s",
                         (i + dx, lost[i]), ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("time lost per failure (s)")
@@ -267,7 +277,8 @@ def _growth(results: list[dict], key: str, field: str) -> float | None:
 
 def _line(r: dict, iter_s: float) -> str:
     parts = []
-    for key, label in (("hotswap", "hot-swap"), ("prebuilt", "hot-swap prebuilt")):
+    for key, label in (("hotswap", "hot-swap"), ("prebuilt", "hot-swap prebuilt"),
+                       ("prebuilt_streamed", "hot-swap prebuilt, streamed")):  # fmt: skip
         if key in r:
             h = r[key]
             parts.append(
@@ -345,7 +356,7 @@ def main(argv=None) -> int:
         "nvrx_lost_s": lost("nvrx"),
         "ratio_nvrx": ratio("nvrx"),
     }
-    for key in ("hotswap", "prebuilt"):
+    for key, _ in HOTSWAPS:
         summary[f"{key}_lost_s"] = lost(key)
         summary[f"{key}_recovery_s"] = first[key]["recovery_total_s"] if key in first else None
         summary[f"{key}_growth_over_sizes"] = _growth(results, key, "recovery_total_s")
