@@ -91,14 +91,23 @@ def restore_from_parts(
 
 
 def send_part(
-    data: torch.Tensor, meta: bytes, iteration: int, dst: int, group=None, offer: bool = False
+    data: torch.Tensor,
+    meta: bytes,
+    iteration: int,
+    dst: int,
+    group=None,
+    offer: bool = False,
+    digest: int | None = None,
 ) -> None:
-    """Send a verified part (replica or parameters) with its iteration and checksum. With
-    `offer`, `dst` may read the bytes from this process instead; they must stay as they are
-    until this returns."""
+    """Send a verified part (replica or parameters) with its iteration and checksum: `digest`
+    where it is known (a committed slot's, so that bytes changed since its commit fail at the
+    receiver), else taken now. With `offer`, `dst` may read the bytes from this process
+    instead; they must stay as they are until this returns."""
     data = data.contiguous()
     pid, address = (os.getpid(), data.data_ptr()) if offer and HOST and data.numel() else (0, 0)
-    header = _HEADER.pack(iteration, len(meta), checksum(data, meta, iteration), pid, address, HOST)
+    if digest is None:
+        digest = checksum(data, meta, iteration)
+    header = _HEADER.pack(iteration, len(meta), digest, pid, address, HOST)
     dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group)
     if meta:
         dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst, group=group)
@@ -130,7 +139,7 @@ def send_replica(
         )
     pair.hold(slot)
     try:
-        send_part(slot.buffer, slot.meta, slot.iteration, dst, group, offer)
+        send_part(slot.buffer, slot.meta, slot.iteration, dst, group, offer, slot.checksum)
     finally:
         pair.release(slot)
     return slot.iteration

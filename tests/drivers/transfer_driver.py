@@ -3,9 +3,11 @@ job: torch's "fake" backend stands in for NCCL (it completes every operation and
 bytes). Rank 0 serves a committed replica and the parameter part of a committed snapshot to
 rank 1 through `parallel.host_group()`, exactly as a recovery's restore stage does; rank 1
 prints what arrived as JSON. Were the transfer on the default group, nothing would arrive.
-With OFFER "offer", rank 0 offers both parts to be read from its memory (restore.send_part).
+With "offer", rank 0 offers both parts to be read from its memory (restore.send_part); with
+"decayed", a byte of its committed replica changes after the commit (memory gone bad while
+it was held), and only the replica is sent: rank 1 prints the error it raised.
 
-usage: transfer_driver.py RANK STORE_FILE [OFFER]
+usage: transfer_driver.py RANK STORE_FILE [offer] [decayed]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fa
 
 from deadpool_megatron.checkpoint.buffers import SlotPair
 from deadpool_megatron.checkpoint.restore import recv_part, send_parameters, send_replica
+from deadpool_megatron.errors import DeadpoolError
 from deadpool_megatron.megatron import parallel
 
 OPTIMIZER_NBYTES, PARAMS_NBYTES, ITERATION = 4096 + 64, 1024 * 1024, 7
@@ -34,14 +37,23 @@ def committed(nbytes: int, seed: int, meta: bytes) -> SlotPair:
     return pair
 
 
-def main(rank: int, store_file: str, offer: bool) -> None:
+def main(rank: int, store_file: str, offer: bool, decayed: bool) -> None:
     store = dist.FileStore(store_file, 2)
     dist.init_process_group("fake", store=store, rank=rank, world_size=2)
     group = parallel.host_group()
     out = {"default_backend": dist.get_backend(), "group_backend": dist.get_backend(group)}
     replica = committed(OPTIMIZER_NBYTES, 1, b'{"iteration": 7}')
     snapshot = committed(OPTIMIZER_NBYTES + PARAMS_NBYTES, 2, b"")
-    if rank == 0:
+    if decayed:
+        if rank == 0:
+            replica.committed().buffer[100] ^= 0x01
+            send_replica({0: replica}, 0, 1, group, ITERATION, offer)
+        else:
+            try:
+                recv_part(OPTIMIZER_NBYTES, 0, group)
+            except DeadpoolError as err:
+                out["error"] = str(err)
+    elif rank == 0:
         out["sent"] = [
             send_replica({0: replica}, 0, 1, group, ITERATION, offer),
             send_parameters(snapshot, OPTIMIZER_NBYTES, 1, group, ITERATION, offer),
@@ -62,4 +74,4 @@ def main(rank: int, store_file: str, offer: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["offer"])
+    main(int(sys.argv[1]), sys.argv[2], "offer" in sys.argv[3:], "decayed" in sys.argv[3:])
