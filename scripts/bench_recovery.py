@@ -7,7 +7,9 @@ without and with the same failure (the same rank killed in the same iteration): 
 theirs, --deadpool-keep-model, and the spare built every rank's while idle,
 --deadpool-spare-prebuild; "streamed", only when asked for: the same with every replica
 byte and the recovery's state transfer on connections, `--deadpool-transport tcp-stream`,
-where the default reads them from the serving rank's memory on one host); checkpoint-restart by our launcher (`deadpool-launch
+where the default reads them from the serving rank's memory on one host; "smallpages", only
+when asked for: the same with torch's CPU memory in pages of 4 KiB, THP_MEM_ALLOC_ENABLE=0,
+where deadpool-launch's default puts it on huge pages); checkpoint-restart by our launcher (`deadpool-launch
 --restart-policy full`); and the restart path users know, `torchrun --max-restarts 1` with
 --load and --save (the restarts write persistent checkpoints every --save-interval
 iterations); and, when --ft-launcher names nvidia-resiliency-ext's `ft_launcher` (or one is
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -64,8 +67,10 @@ from results_path import results_file  # noqa: E402 (this folder, as a script)
 from deadpool_megatron.events import read_events  # noqa: E402
 
 # "streamed": prebuilt with --deadpool-transport tcp-stream (every replica byte, and the
-# recovery's state transfer, over connections: nothing read from a peer's memory)
-HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"), ("prebuilt_streamed", "streamed"))
+# recovery's state transfer, over connections: nothing read from a peer's memory);
+# "smallpages": prebuilt with THP_MEM_ALLOC_ENABLE=0 (torch's CPU memory in pages of 4 KiB)
+HOTSWAPS = (("hotswap", "hotswap"), ("prebuilt", "prebuilt"), ("prebuilt_streamed", "streamed"),
+            ("prebuilt_small_pages", "smallpages"))  # fmt: skip
 RESTARTS = (("ckpt_restart", "ckpt"), ("torchrun", "torchrun"), ("nvrx", "nvrx"))
 HOTSWAP_PHASES = ("detect", "plan", "rebuild_communicators", "rebuild_model", "transfer_state",
                   "verify", "rebuild_pipeline", "first_iteration")  # fmt: skip
@@ -105,9 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--strategies",
         default="hotswap,prebuilt,ckpt,torchrun,nvrx",
-        help="which to run, of hotswap, prebuilt, streamed, ckpt, torchrun, nvrx (default all "
-        "but streamed, which is prebuilt with --deadpool-transport tcp-stream; nvrx only with an "
-        "ft_launcher)",
+        help="which to run, of hotswap, prebuilt, streamed, smallpages, ckpt, torchrun, nvrx "
+        "(default all but streamed and smallpages, which are prebuilt with --deadpool-transport "
+        "tcp-stream and with THP_MEM_ALLOC_ENABLE=0; nvrx only with an ft_launcher)",
     )
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each job; every figure is the median over them (default 1)")  # fmt: skip
@@ -117,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.sizes = [int(h) for h in a.hidden_sizes.split(",")]
     a.strategies = [x for x in a.strategies.split(",") if x]
-    known = ("hotswap", "prebuilt", "streamed", "ckpt", "torchrun", "nvrx")
+    known = ("hotswap", "prebuilt", "streamed", "smallpages", "ckpt", "torchrun", "nvrx")
     unknown = [x for x in a.strategies if x not in known]
     if unknown or not a.strategies:
         p.error(f"--strategies {','.join(unknown) or '(none)'}: choose from {', '.join(known)}")
@@ -147,12 +152,15 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         job += ["--deadpool-inject", f"kill@{a.victim}:{a.fail_at}"]
     script = str(ROOT / "pretrain_gpt.py")
     launch = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc)]
-    if strategy in ("hotswap", "prebuilt", "streamed"):
+    env = None
+    if strategy in ("hotswap", "prebuilt", "streamed", "smallpages"):
         cmd = [*launch, "--spares", "1", script, *job, "--deadpool"]
         if strategy != "hotswap":  # nobody builds: survivors keep theirs, the spare built all
             cmd += ["--deadpool-keep-model", "--deadpool-spare-prebuild", str(a.nproc)]
         if strategy == "streamed":
             cmd += ["--deadpool-transport", "tcp-stream"]
+        if strategy == "smallpages":  # deadpool-launch keeps a value it is given
+            env = dict(os.environ, THP_MEM_ALLOC_ENABLE="0")
     else:
         job += ["--save", str(workdir / "ckpt"), "--save-interval", str(a.save_interval)]
         cmd = [*launch, "--restart-policy", "full", script, *job]
@@ -168,7 +176,8 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         metrics.unlink(missing_ok=True)
         events.unlink(missing_ok=True)
         shutil.rmtree(workdir / "ckpt", ignore_errors=True)  # torchrun --load's it from the start
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                              env=env)  # fmt: skip
         (workdir / "job.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
             raise SystemExit(f"{mode} job (hidden {hidden}) failed; see {workdir / 'job.log'}")
@@ -236,6 +245,7 @@ def plot(results: list[dict], path: Path) -> None:
         ("hotswap", "DeadPool hot-swap"),
         ("prebuilt", "hot-swap, models kept and prebuilt"),
         ("prebuilt_streamed", "the same, state streamed (tcp-stream)"),
+        ("prebuilt_small_pages", "the same, memory in 4 KiB pages"),
     ]
     bars = [(key, label) for key, label in bars if key in results[0]]  # fmt: skip
     width = 0.8 / len(bars)
@@ -278,7 +288,8 @@ def _growth(results: list[dict], key: str, field: str) -> float | None:
 def _line(r: dict, iter_s: float) -> str:
     parts = []
     for key, label in (("hotswap", "hot-swap"), ("prebuilt", "hot-swap prebuilt"),
-                       ("prebuilt_streamed", "hot-swap prebuilt, streamed")):  # fmt: skip
+                       ("prebuilt_streamed", "hot-swap prebuilt, streamed"),
+                       ("prebuilt_small_pages", "hot-swap prebuilt, 4 KiB pages")):  # fmt: skip
         if key in r:
             h = r[key]
             parts.append(

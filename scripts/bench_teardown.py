@@ -4,8 +4,11 @@
 A hot-swap's detection of a killed rank starts when its launcher sees the exit, and the kernel
 frees the process's memory before that (Linux's do_exit tears the address space down before
 it notifies the parent; so do its sockets close only after). A child touches MIB of memory,
-kills itself, and the parent times the gap from the kill to waitpid's return. Prints one
-line per size and, last, one JSON object {"mib": [...], "exit_seen_ms": [...]}.
+kills itself, and the parent times the gap from the kill to waitpid's return: in pages of
+4 KiB, and in transparent huge pages (`madvise(MADV_HUGEPAGE)`, what torch does for its CPU
+allocations of 2 MiB and more with THP_MEM_ALLOC_ENABLE=1, which deadpool-launch sets for its
+workers), in turn. Prints one line per size and, last, one JSON object {"mib": [...],
+"exit_seen_ms": [...] (4 KiB pages), "exit_seen_ms_huge": [...]}.
 
     python scripts/bench_teardown.py                 # 50, 300, 1000, 2000 MiB
     python scripts/bench_teardown.py --mib 100,4000
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import signal
 import statistics
@@ -35,13 +39,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def one_kill(mib: int) -> float:
-    """Milliseconds from a child's SIGKILL of itself, with `mib` MiB touched, to its reaping."""
+def one_kill(mib: int, huge: bool = False) -> float:
+    """Milliseconds from a child's SIGKILL of itself, with `mib` MiB touched (in huge pages
+    where the kernel gives them, with `huge`), to its reaping."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: touch every page, say when, die (and never return)
         try:
-            memory = bytearray(mib << 20)
+            memory = mmap.mmap(-1, mib << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if huge:
+                memory.madvise(mmap.MADV_HUGEPAGE)  # before the first touch, as torch does
             for i in range(0, len(memory), 4096):
                 memory[i] = 1
             os.write(w, repr(time.time()).encode().ljust(32))
@@ -58,12 +65,15 @@ def one_kill(mib: int) -> float:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
-    seen = []
+    seen, seen_huge = [], []
     for mib in a.sizes:
         ms = statistics.median(one_kill(mib) for _ in range(a.repeats))
+        huge = statistics.median(one_kill(mib, huge=True) for _ in range(a.repeats))
         seen.append(round(ms, 1))
-        print(f"{mib} MiB touched: exit seen {ms:.1f} ms after SIGKILL", flush=True)
-    result = {"mib": a.sizes, "exit_seen_ms": seen}
+        seen_huge.append(round(huge, 1))
+        print(f"{mib} MiB touched: exit seen {ms:.1f} ms after SIGKILL in pages of 4 KiB, "
+              f"{huge:.1f} ms in huge pages", flush=True)  # fmt: skip
+    result = {"mib": a.sizes, "exit_seen_ms": seen, "exit_seen_ms_huge": seen_huge}
     print(json.dumps(result))
     return result
 

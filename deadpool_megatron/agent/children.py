@@ -29,7 +29,7 @@ from ..runtime import (
     die_with_parent,
 )
 from .forks import ForkedProcess, ForkServer, ForkServerUnavailable
-from .forkserver import DEFAULT_PRELOAD, server_env
+from .forkserver import DEFAULT_PRELOAD, server_env, worker_defaults
 
 log = logging.getLogger("deadpool.launch")
 
@@ -103,10 +103,7 @@ class Children:
 
     @staticmethod
     def _base_env() -> dict[str, str]:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # Several processes share this node's cores: one intra-op thread each, as torchrun does.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        return env
+        return worker_defaults(dict(os.environ, PYTHONUNBUFFERED="1"))
 
     def _printer(self, prefix: str):
         def write(line: bytes) -> None:

@@ -48,10 +48,21 @@ PR_SET_NAME = 15
 
 def server_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a fork server imports in: numpy's import starts its BLAS threads unless
-    told one, and a process with threads cannot fork; the children's torch threads follow
-    OMP_NUM_THREADS (one each unless set: several processes share the node's cores)."""
+    told one, and a process with threads cannot fork; the children get `worker_defaults`
+    (torch reads both when the server imports it)."""
     env = {"OPENBLAS_NUM_THREADS": "1", **environ, "PYTHONUNBUFFERED": "1"}
+    return worker_defaults(env)
+
+
+def worker_defaults(env: dict[str, str]) -> dict[str, str]:
+    """What a worker's environment gets unless it says otherwise: one intra-op thread each
+    (OMP_NUM_THREADS; several processes share the node's cores, as torchrun sets), and torch's
+    CPU allocations of 2 MiB and more on transparent huge pages (THP_MEM_ALLOC_ENABLE: the
+    kernel tears a killed rank's memory down before its exit can be seen, 92 ms per GiB in
+    pages of 4 KiB against 4 ms in huge pages here, so the detection of a failure would
+    otherwise grow with the model; scripts/bench_teardown.py)."""
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return env
 
 

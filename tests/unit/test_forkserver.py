@@ -10,13 +10,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from waiting import until
 from zygotes import running_zygote
 
 from deadpool_megatron.agent.forks import ForkServer, ForkServerUnavailable
-from deadpool_megatron.agent.forkserver import server_env
+from deadpool_megatron.agent.forkserver import server_env, worker_defaults
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -232,3 +233,35 @@ def test_children_fall_back_to_interpreters_when_the_fork_server_refuses(
         children.close()
     assert "[worker 0] hello from ['--x']" in capfd.readouterr().out
     assert "fork server unusable (the preloaded modules started threads" in caplog.text
+
+
+def test_workers_default_to_one_thread_and_huge_pages_unless_told_otherwise():
+    assert worker_defaults({}) == {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
+    mine = {"OMP_NUM_THREADS": "4", "THP_MEM_ALLOC_ENABLE": "0"}
+    assert worker_defaults(dict(mine)) == mine
+    assert server_env({})["THP_MEM_ALLOC_ENABLE"] == "1"
+
+
+def test_torch_puts_a_worker_s_large_tensors_on_huge_pages():
+    """What the default buys: torch in a worker's environment madvises its large CPU
+    allocations, and the kernel backs them with huge pages (where THP is not off)."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" in mode:
+        pytest.skip(f"transparent huge pages are off here ({mode.strip()})")
+    probe = (
+        "import torch\n"
+        "t = torch.empty(64 << 20, dtype=torch.uint8)\n"
+        "t.fill_(1)\n"
+        "print(next(int(line.split()[1]) for line in open('/proc/self/smaps_rollup')"
+        " if line.startswith('AnonHugePages')))\n"
+    )
+    sizes = {}
+    for value in ("0", "1"):
+        env = worker_defaults(dict(os.environ, THP_MEM_ALLOC_ENABLE=value))
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        sizes[value] = int(done.stdout.split()[-1])
+    assert sizes["1"] >= 32 << 10, sizes  # kB: at least half the 64 MiB
+    if "[madvise]" in mode:  # only what is advised ("always": everything)
+        assert sizes["0"] < 32 << 10, sizes
