@@ -175,8 +175,8 @@ def test_an_abort_after_close_touches_no_descriptor():
     later: the closed descriptors' numbers may belong to other files by then."""
     transports = tcp_ring(2)
     held = transports[0]._wake_w  # the number its abort would write to
+    r, w = os.pipe()  # before the close: neither end takes a number the close frees
     transports[0].close()
-    r, w = os.pipe()
     os.dup2(w, held)  # another file takes the number
     try:
         transports[0].abort()
