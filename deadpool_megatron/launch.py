@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         "failures. Run one per node.",
         epilog="Environment: DEADPOOL_JOB_SECRET signs what the job writes to its store (at "
         "least 16 characters, the same on every node; one node draws its own when unset); "
-        "DEADPOOL_ETCD_PASSWORD is the password of --deadpool-etcd-user.",
+        "DEADPOOL_ETCD_PASSWORD is the password of --deadpool-etcd-user. Children get "
+        "OMP_NUM_THREADS=1 (one intra-op thread each) and THP_MEM_ALLOC_ENABLE=1 (torch's "
+        "large CPU allocations on transparent huge pages) unless the environment sets them.",
     )
     parser.add_argument("--nproc-per-node", type=int, required=True, metavar="N",
                         help="Worker processes on this node.")  # fmt: skip
