@@ -14,8 +14,10 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
    --deadpool-keep-model a survivor keeps its model and optimizer and swaps the groups they
    hold for the new ones instead (megatron/rebind.py); in patched Megatron-LM, after the same
    reset, its pretrain() builds them (process/upstream.py);
-5. restore: roll back to its own snapshot of the plan's iteration, or, for a spare, receive
-   the parameters from one DP peer and the optimizer shard from one ring successor;
+5. restore: roll back to its own snapshot of the plan's iteration (after posting the parts
+   it serves, so that it rolls back while they are read), or, for a spare, receive the
+   parameters from one DP peer and the optimizer shard from one ring successor, on one host
+   read straight into its live tensors;
 6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
    shard exactly once;
 7. resume: a new protection pipeline, the trainer attached at the plan's iteration, and the
@@ -49,11 +51,11 @@ from ..checkpoint.buffers import HostArena, Reusable, Slot, SlotPair
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.restore import (
     Expected,
-    recv_part,
+    receive_into,
     restore_from_parts,
     restore_from_snapshot,
-    send_parameters,
-    send_replica,
+    serve_parameters,
+    serve_replica,
 )
 from ..config import JobConfig
 from ..control import keys
@@ -497,21 +499,33 @@ class ProcessRecovery:
         layout = rank_state.layout
         parts: dict[str, tuple] = {}
         # Offered to be read from this process's memory where the ring's parts are too (a
-        # receiver on this host reads it with one copy; restore.send_part).
+        # receiver on this host reads it with one copy, into its live tensors;
+        # restore.post_part, restore.receive_into).
         offer = self.cfg.deadpool.deadpool_transport == "tcp"
-        for tr in plan.transfers:  # in the plan's order on every rank: no send/recv cycle
-            if tr.src == me and tr.kind == "parameters":
-                pair, _ = self.held.snapshot(tr.iteration)
-                send_parameters(pair, layout.optimizer_nbytes, tr.dst, group, tr.iteration,
-                                offer)  # fmt: skip
-            elif tr.src == me:
-                pair = self.held.replica(tr.owner, tr.iteration)
-                send_replica({tr.owner: pair}, tr.owner, tr.dst, group, tr.iteration, offer)
-            elif tr.dst == me:
+        c = self.topology.coords(me)
+        expected = Expected(plan.iteration, (c.tp, c.pp, c.dp))
+        # Every part this rank serves is posted first (nothing blocks; each transfer's
+        # messages go under a tag of their own), then the parts it receives, in the plan's
+        # order; a survivor rolls back to its own snapshot while its receivers read, and only
+        # then waits for their answers (the served slots are held until then).
+        serving = []
+        try:
+            for tag, tr in enumerate(plan.transfers, start=1):
+                if tr.src == me and tr.kind == "parameters":
+                    pair, _ = self.held.snapshot(tr.iteration)
+                    serving.append(serve_parameters(pair, layout.optimizer_nbytes, tr.dst, group,
+                                                    tr.iteration, offer, tag)[1])  # fmt: skip
+                elif tr.src == me:
+                    pair = self.held.replica(tr.owner, tr.iteration)
+                    serving.append(serve_replica({tr.owner: pair}, tr.owner, tr.dst, group,
+                                                 tr.iteration, offer, tag)[1])  # fmt: skip
+            for tag, tr in enumerate(plan.transfers, start=1):
+                if tr.dst != me:
+                    continue
                 nbytes = (
                     layout.params_nbytes if tr.kind == "parameters" else layout.optimizer_nbytes
                 )
-                part = recv_part(nbytes, tr.src, group)
+                part = receive_into(rank_state, tr.kind, nbytes, tr.src, group, expected, tag)
                 if part.iteration != plan.iteration:
                     raise DeadpoolError(
                         f"rank {tr.src} sent {tr.kind} of iteration {part.iteration}, the plan "
@@ -521,13 +535,17 @@ class ProcessRecovery:
                 self.bytes_moved += nbytes  # counted once, by the receiver
                 log.info("received the %s of iteration %d from rank %d (%.1f MiB, %s)", tr.kind,
                          part.iteration, tr.src, nbytes / 2**20,
-                         "read from its memory" if part.pulled else "over the group")  # fmt: skip
-        c = self.topology.coords(me)
-        expected = Expected(plan.iteration, (c.tp, c.pp, c.dp))
-        if me in plan.local_restores:
-            _, slot = self.held.snapshot(plan.iteration)
-            restored = restore_from_snapshot(rank_state, slot, expected)
-        else:
+                         ("read from its memory" + (" into place" if part.data is None else ""))
+                         if part.pulled else "over the group")  # fmt: skip
+            if me in plan.local_restores:
+                _, slot = self.held.snapshot(plan.iteration)
+                restored = restore_from_snapshot(rank_state, slot, expected)
+            for served in serving:
+                served.finish()
+        finally:
+            for served in serving:  # given up on (an error above): the slots are free again
+                served.release()
+        if me not in plan.local_restores:
             (optimizer_part, meta), (params_part, _) = parts["replica"], parts["parameters"]
             restored = restore_from_parts(rank_state, optimizer_part, meta, params_part, expected)
         rebuilt.phases["transfer_state"] = time.perf_counter() - t

@@ -5,9 +5,15 @@ rank 1 through `parallel.host_group()`, exactly as a recovery's restore stage do
 prints what arrived as JSON. Were the transfer on the default group, nothing would arrive.
 With "offer", rank 0 offers both parts to be read from its memory (restore.send_part); with
 "decayed", a byte of its committed replica changes after the commit (memory gone bad while
-it was held), and only the replica is sent: rank 1 prints the error it raised.
+it was held), and only the replica is sent: rank 1 prints the error it raised. With "live",
+rank 1 receives both parts as a rank being restored does (restore.receive_into) into the
+tensors of a small state with padding between them, then restores from them; with "stale"
+it expects iteration 8, not the 7 sent, and must write nothing into its tensors. With
+"posted", rank 0 posts both parts before it finishes either (as a recovery's serving rank
+does, each under its own tag); with "elsewhere", rank 1 takes itself for another host's
+process, so every offered part is answered "stream it".
 
-usage: transfer_driver.py RANK STORE_FILE [offer] [decayed]
+usage: transfer_driver.py RANK STORE_FILE [offer] [decayed] [live] [stale] [posted] [elsewhere]
 """
 
 from __future__ import annotations
@@ -20,12 +26,59 @@ import torch
 import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
+from deadpool_megatron.checkpoint import metadata, restore
 from deadpool_megatron.checkpoint.buffers import SlotPair
-from deadpool_megatron.checkpoint.restore import recv_part, send_parameters, send_replica
+from deadpool_megatron.checkpoint.layout import Entry, StateLayout, view_of
+from deadpool_megatron.checkpoint.restore import (
+    Expected,
+    receive_into,
+    recv_part,
+    restore_from_parts,
+    send_parameters,
+    send_replica,
+    serve_parameters,
+    serve_replica,
+)
 from deadpool_megatron.errors import DeadpoolError
 from deadpool_megatron.megatron import parallel
 
 OPTIMIZER_NBYTES, PARAMS_NBYTES, ITERATION = 4096 + 64, 1024 * 1024, 7
+COORDINATES = (0, 0, 1)
+REPLICA_META = metadata.encode({"iteration": ITERATION, "coordinates": COORDINATES})
+
+
+class PaddedState:
+    """A ProtectedState whose layout has padding between tensors and after the last one,
+    as a megatron rank's has (entries aligned to 64 bytes), of the two part sizes above."""
+
+    def __init__(self):
+        entries = (
+            Entry("main", 0, 4000, torch.float32, (1000,)),
+            Entry("exp_avg", 4032, 32, torch.float32, (8,)),
+            Entry("step", 4096, 64, torch.int64, (8,)),
+            Entry("weight", 4160, 524288, torch.float32, (512, 256)),
+            Entry("bias", 528448, 524224, torch.float32, (131056,)),
+        )
+        self.layout = StateLayout(entries, OPTIMIZER_NBYTES, OPTIMIZER_NBYTES + PARAMS_NBYTES)
+        self.live = [torch.zeros(e.shape, dtype=e.dtype) for e in entries]
+        self.applied: list[dict] = []
+
+    def tensors(self):
+        return self.live
+
+    def restore_metadata(self, meta):
+        self.applied.append(meta)
+
+    def write_from(self, flat):
+        for entry, t in zip(self.layout.entries, self.live, strict=True):
+            t.copy_(view_of(flat, entry))
+
+    def as_bytes(self) -> torch.Tensor:
+        """The live tensors laid out as a snapshot holds them (padding zero)."""
+        flat = torch.zeros(self.layout.total_nbytes, dtype=torch.uint8)
+        for entry, t in zip(self.layout.entries, self.live, strict=True):
+            flat[entry.offset : entry.offset + entry.nbytes] = t.reshape(-1).view(torch.uint8)
+        return flat
 
 
 def committed(nbytes: int, seed: int, meta: bytes) -> SlotPair:
@@ -37,14 +90,26 @@ def committed(nbytes: int, seed: int, meta: bytes) -> SlotPair:
     return pair
 
 
-def main(rank: int, store_file: str, offer: bool, decayed: bool) -> None:
+def main(rank: int, store_file: str, flags: set[str]) -> None:
+    offer, decayed, live, stale = (f in flags for f in ("offer", "decayed", "live", "stale"))
+    posted = "posted" in flags
+    if "elsewhere" in flags and rank == 1:
+        restore.HOST = -1  # no offer's host is this one's
     store = dist.FileStore(store_file, 2)
     dist.init_process_group("fake", store=store, rank=rank, world_size=2)
     group = parallel.host_group()
     out = {"default_backend": dist.get_backend(), "group_backend": dist.get_backend(group)}
-    replica = committed(OPTIMIZER_NBYTES, 1, b'{"iteration": 7}')
+    replica = committed(OPTIMIZER_NBYTES, 1, REPLICA_META)
     snapshot = committed(OPTIMIZER_NBYTES + PARAMS_NBYTES, 2, b"")
-    if decayed:
+    if live and rank == 1:
+        out.update(receive_live(replica, snapshot, group, stale, decayed, posted))
+    elif posted and rank == 0:
+        first = serve_replica({0: replica}, 0, 1, group, ITERATION, offer, tag=1)
+        second = serve_parameters(snapshot, OPTIMIZER_NBYTES, 1, group, ITERATION, offer, tag=2)
+        for _, serving in (first, second):
+            serving.finish()
+        out["sent"] = [first[0], second[0]]
+    elif decayed:
         if rank == 0:
             replica.committed().buffer[100] ^= 0x01
             send_replica({0: replica}, 0, 1, group, ITERATION, offer)
@@ -73,5 +138,38 @@ def main(rank: int, store_file: str, offer: bool, decayed: bool) -> None:
     print(json.dumps(out), flush=True)
 
 
+def receive_live(
+    replica: SlotPair, snapshot: SlotPair, group, stale: bool, decayed: bool, posted: bool
+) -> dict:
+    """Rank 1 as a rank being restored: both parts into its live tensors, then the restore."""
+    state = PaddedState()
+    expected = Expected(ITERATION + 1 if stale else ITERATION, COORDINATES)
+    tags = (1, 2) if posted else (0, 0)
+    out: dict = {}
+    try:
+        opt = receive_into(state, "replica", OPTIMIZER_NBYTES, 0, group, expected, tags[0])
+        if decayed:
+            return out
+        params = receive_into(state, "parameters", PARAMS_NBYTES, 0, group, expected, tags[1])
+    except DeadpoolError as err:
+        out["error"] = str(err)
+        return out
+    out["pulled"] = [opt.pulled, params.pulled]
+    out["in_place"] = [opt.data is None, params.data is None]
+    out["untouched"] = all(not t.any() for t in state.live)
+    try:
+        restore_from_parts(state, opt.data, opt.meta, params.data, expected)
+    except DeadpoolError as err:
+        out["error"] = str(err)
+    sent = torch.cat([replica.committed().buffer, snapshot.committed().buffer[OPTIMIZER_NBYTES:]])
+    mine = state.as_bytes()
+    out["restored_equal"] = all(
+        torch.equal(mine[e.offset : e.offset + e.nbytes], sent[e.offset : e.offset + e.nbytes])
+        for e in state.layout.entries
+    )
+    out["applied"] = [m["iteration"] for m in state.applied]
+    return out
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], "offer" in sys.argv[3:], "decayed" in sys.argv[3:])
+    main(int(sys.argv[1]), sys.argv[2], set(sys.argv[3:]))

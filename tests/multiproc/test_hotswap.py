@@ -146,7 +146,7 @@ def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_
     assert result.output.count("are read from their memory (one copy)") == 3 * 4
     # ... and the spare reads its optimizer shard and its parameters from the ranks that
     # serve them (the transient reset restores from the rank's own snapshot).
-    assert result.output.count("read from its memory)") == 2, result.output
+    assert result.output.count("read from its memory into place)") == 2, result.output
 
 
 def test_without_the_fork_server_every_process_is_its_own_interpreter_and_trains_alike(

@@ -35,3 +35,59 @@ def test_a_served_replica_whose_bytes_changed_since_its_commit_is_refused(tmp_pa
     args = [[str(rank), str(store), *(["offer"] if offer else []), "decayed"] for rank in range(2)]
     _, receiver = run_drivers(driver, args, timeout_s=120)
     assert "part of iteration 7 from rank 0 fails its checksum" in receiver["error"]
+
+
+@pytest.mark.parametrize("offer", [False, True])
+def test_a_restored_rank_reads_each_part_straight_into_its_live_tensors(tmp_path, offer):
+    """Offered, both parts are read into the live tensors of the rank being restored (the
+    padding between them read apart, for the checksum): no buffer to fill and copy out of;
+    streamed, they arrive in a buffer and are copied there. Either way the state restored
+    holds exactly the bytes sent."""
+    driver = ROOT / "tests" / "drivers" / "transfer_driver.py"
+    store = tmp_path / "store"
+    args = [[str(rank), str(store), *(["offer"] if offer else []), "live"] for rank in range(2)]
+    _, receiver = run_drivers(driver, args, timeout_s=120)
+    assert receiver["pulled"] == [offer, offer]
+    assert receiver["in_place"] == [offer, offer]
+    assert receiver["untouched"] is not offer  # written in place before the restore, or not
+    assert receiver["restored_equal"] and receiver["applied"] == [7]
+    assert "error" not in receiver
+
+
+@pytest.mark.parametrize("offer", [False, True])
+def test_a_part_of_another_iteration_is_never_read_into_the_live_tensors(tmp_path, offer):
+    driver = ROOT / "tests" / "drivers" / "transfer_driver.py"
+    store = tmp_path / "store"
+    args = [
+        [str(rank), str(store), *(["offer"] if offer else []), "live", "stale"] for rank in range(2)
+    ]
+    _, receiver = run_drivers(driver, args, timeout_s=120)
+    assert receiver["in_place"] == [False, False] and receiver["untouched"]
+    assert "holds iteration 7, the plan needs 8" in receiver["error"]
+    assert not receiver["restored_equal"] and receiver["applied"] == []
+
+
+def test_bytes_read_into_place_that_fail_their_checksum_are_asked_for_again(tmp_path):
+    """A replica that went bad while held, read into the live tensors, fails there; it is then
+    streamed, and fails again: the receiver raises, it never restores from it."""
+    driver = ROOT / "tests" / "drivers" / "transfer_driver.py"
+    store = tmp_path / "store"
+    args = [[str(rank), str(store), "offer", "live", "decayed"] for rank in range(2)]
+    _, receiver = run_drivers(driver, args, timeout_s=120)
+    assert "part of iteration 7 from rank 0 fails its checksum" in receiver["error"]
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+def test_parts_posted_together_stay_apart_when_one_is_streamed(tmp_path, elsewhere):
+    """A serving rank posts all its parts before it waits for any (it rolls back meanwhile):
+    each transfer's messages go under a tag of their own, so a part asked for over the group
+    ("stream it": the receiver is on another host) does not meet the next part's header."""
+    driver = ROOT / "tests" / "drivers" / "transfer_driver.py"
+    store = tmp_path / "store"
+    flags = ["offer", "live", "posted", *(["elsewhere"] if elsewhere else [])]
+    args = [[str(rank), str(store), *flags] for rank in range(2)]
+    sender, receiver = run_drivers(driver, args, timeout_s=120)
+    assert sender["sent"] == [7, 7]
+    assert receiver["pulled"] == [not elsewhere] * 2
+    assert receiver["in_place"] == [not elsewhere] * 2
+    assert receiver["restored_equal"] and "error" not in receiver

@@ -9,7 +9,12 @@ import torch
 from deadpool_megatron.checkpoint import metadata
 from deadpool_megatron.checkpoint.buffers import SlotPair
 from deadpool_megatron.checkpoint.layout import Entry, StateLayout, view_of
-from deadpool_megatron.checkpoint.restore import Expected, restore_from_parts, restore_from_snapshot
+from deadpool_megatron.checkpoint.restore import (
+    Expected,
+    live_segments,
+    restore_from_parts,
+    restore_from_snapshot,
+)
 from deadpool_megatron.errors import DeadpoolError
 
 
@@ -70,3 +75,35 @@ def test_a_replica_for_other_coordinates_or_iteration_is_refused_before_any_writ
     with pytest.raises(DeadpoolError, match=message.replace("replica", "local snapshot")):
         restore_from_snapshot(state, slot, expected)
     assert state.live[0].tolist() == [0.0] * 4 and state.applied == []
+
+
+def test_live_segments_are_byte_views_of_each_part_at_their_offsets_in_it():
+    state = OneTensorState()
+    (opt_at, opt), (param_at, param) = (
+        live_segments(state, "replica")[0],
+        live_segments(state, "parameters")[0],
+    )
+    assert (opt_at, opt.numel(), param_at, param.numel()) == (0, 16, 0, 16)
+    param.fill_(1)  # a view: writes land in the live tensor
+    assert state.live[1].view(torch.uint8).tolist() == [1] * 16
+
+
+def test_parts_restore_through_a_flat_buffer_where_a_tensor_has_no_byte_view():
+    """A live tensor that is not contiguous cannot be written byte for byte: the parts go
+    through the state's own whole-buffer copy, with the same result."""
+    state = OneTensorState()
+    state.live[1] = torch.zeros(4, 2)[:, 0]  # four floats, not contiguous
+    assert live_segments(state, "parameters") is None
+    slot = _snapshot(state, 6, (0, 1, 0))
+    restore_from_parts(state, slot.buffer[:64], slot.meta, slot.buffer[64:], Expected(6, (0, 1, 0)))
+    assert state.live[1].tolist() == [6.0] * 4 and state.applied[0]["iteration"] == 6
+
+
+def test_a_part_read_in_place_is_not_written_again():
+    """None for a part: it was read into the live tensors (restore.receive_into); only the
+    other part and the metadata are written."""
+    state = OneTensorState()
+    slot = _snapshot(state, 6, (0, 1, 0))
+    state.live[0].fill_(3.0)  # "read in place"
+    restore_from_parts(state, None, slot.meta, slot.buffer[64:], Expected(6, (0, 1, 0)))
+    assert state.live[0].tolist() == [3.0] * 4 and state.live[1].tolist() == [6.0] * 4
