@@ -1,8 +1,12 @@
-"""What the operating system says about a process: its state, and its threads' CPU time.
+"""What the operating system says about a process: its state, whether it is exiting, and its
+threads' CPU time.
 
 The agent reads a worker's state (a SIGSTOPped process is "stopped" however fresh its last
-heartbeat); a process reads its own threads' CPU time after a recovery order to tell a training
-thread that is computing from one that is blocked. psutil reads /proc on Linux.
+heartbeat) and whether it has begun to exit (a killed rank's exit is decided the moment the
+signal lands, but its parent hears of it only after the kernel has torn its memory down:
+tens of milliseconds per GiB, so the detection would grow with the model); a process reads
+its own threads' CPU time after a recovery order to tell a training thread that is computing
+from one that is blocked. psutil reads /proc on Linux.
 """
 
 from __future__ import annotations
@@ -25,6 +29,32 @@ def process_state(pid: int) -> str:
         return "dead"
     except psutil.AccessDenied:
         return "unknown"
+
+
+PF_EXITING = 0x4  # linux/sched.h: the task is in do_exit
+
+
+def exit_decided(stat: str) -> int | None:
+    """From the text of /proc/<pid>/stat: the exit status, as Popen's returncode gives it (a
+    signal as its negated number), of a process that has begun to exit with a nonzero status;
+    None while it runs, or when it exits with status 0 (a finished rank is taken as finished
+    only once it is reaped) or the kernel shows no exit code (before Linux 3.5)."""
+    fields = stat[stat.rindex(")") + 2 :].split()  # field 3 on: the name may hold spaces
+    if len(fields) < 50:
+        return None
+    flags, status = int(fields[6]), int(fields[49])  # fields 9 and 52: flags, exit_code
+    if not flags & PF_EXITING or status == 0:
+        return None
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
+
+
+def exiting_status(pid: int) -> int | None:
+    """`exit_decided` for process `pid`; None where it cannot be read (gone, not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return exit_decided(fh.read())
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def working_cpu_seconds() -> float:
