@@ -57,10 +57,10 @@ def server_env(environ: Mapping[str, str]) -> dict[str, str]:
 def worker_defaults(env: dict[str, str]) -> dict[str, str]:
     """What a worker's environment gets unless it says otherwise: one intra-op thread each
     (OMP_NUM_THREADS; several processes share the node's cores, as torchrun sets), and torch's
-    CPU allocations of 2 MiB and more on transparent huge pages (THP_MEM_ALLOC_ENABLE: the
-    kernel tears a killed rank's memory down before its exit can be seen, 92 ms per GiB in
-    pages of 4 KiB against 4 ms in huge pages here, so the detection of a failure would
-    otherwise grow with the model; scripts/bench_teardown.py)."""
+    CPU allocations of 2 MiB and more on transparent huge pages (THP_MEM_ALLOC_ENABLE: a
+    recovery's buffers fault in 2 MiB at a time, and the kernel tears a killed rank's memory
+    down in 4 ms per GiB instead of 92, scripts/bench_teardown.py; the launcher no longer
+    waits for that teardown to see the exit, procstate.exiting_status)."""
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     return env

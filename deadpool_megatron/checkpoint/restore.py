@@ -7,7 +7,8 @@ takes over). Transfers are point-to-point between exactly the ranks involved. A 
 offer its bytes to be read instead (`offer`): a receiver on the same host reads them from the
 sender's memory with one copy (cma.py) and says so, else it asks for them on the group. A
 rank being restored reads them straight into its live tensors (`receive_into`): no buffer to
-fill and copy out of, which at 12.7M parameters were two thirds of the spare's transfer.
+fill and copy out of (at 12.7M parameters the spare's transfer and the wait for it went from
+0.12 to 0.07 s; README, "The spare's state read into its tensors").
 """
 
 from __future__ import annotations
