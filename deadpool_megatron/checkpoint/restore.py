@@ -214,19 +214,6 @@ def post_part(
     return serving
 
 
-def send_part(
-    data: torch.Tensor,
-    meta: bytes,
-    iteration: int,
-    dst: int,
-    group=None,
-    offer: bool = False,
-    digest: int | None = None,
-) -> None:
-    """post_part, finished: returns once `dst` has the bytes."""
-    post_part(data, meta, iteration, dst, group, offer, digest).finish()
-
-
 def serve_replica(
     replicas: dict[int, SlotPair],
     owner: int,
@@ -282,36 +269,16 @@ def _posted(pair: SlotPair, slot: Slot, data, meta, dst, group, offer, digest, t
         raise
 
 
-def send_replica(
-    replicas: dict[int, SlotPair],
-    owner: int,
-    dst: int,
-    group=None,
-    iteration: int | None = None,
-    offer: bool = False,
-) -> int:
-    """serve_replica, finished; returns the iteration sent."""
-    sent, serving = serve_replica(replicas, owner, dst, group, iteration, offer)
+def sent(posted: tuple[int, Serving]) -> int:
+    """A part from serve_replica or serve_parameters, finished: returns the iteration sent
+    once the receiver has the bytes."""
+    iteration, serving = posted
     serving.finish()
-    return sent
-
-
-def send_parameters(
-    snapshots: SlotPair,
-    optimizer_nbytes: int,
-    dst: int,
-    group=None,
-    iteration: int | None = None,
-    offer: bool = False,
-) -> int:
-    """serve_parameters, finished; returns the iteration sent."""
-    sent, serving = serve_parameters(snapshots, optimizer_nbytes, dst, group, iteration, offer)
-    serving.finish()
-    return sent
+    return iteration
 
 
 def recv_part(nbytes: int, src: int, group=None, tag: int = 0) -> Part:
-    """Receive a part sent by send_part (reading it from the sender where it offers that and
+    """Receive a part posted by post_part (reading it from the sender where it offers that and
     can be read); raises DeadpoolError when it arrives corrupt."""
     return recv_body(recv_header(src, group, tag), nbytes, src, group, tag=tag)
 
@@ -370,11 +337,8 @@ def recv_body(
     pulled = False
     if head.pid:
         if head.host == HOST:
-            if into is not None:
-                pulled = _read_into(head, nbytes, into) == head.digest
-            else:
-                pulled = _read(head.pid, head.address, data)
-                pulled = pulled and checksum(data, meta, iteration) == head.digest
+            segments = into if into is not None else [(0, data)]
+            pulled = _read_into(head, nbytes, segments) == head.digest
         answer = torch.tensor([PULLED if pulled else STREAM_IT], dtype=torch.uint8)
         dist.send(answer, src, group=group, tag=tag)
     if not pulled:
@@ -385,20 +349,12 @@ def recv_body(
     return Part(data, meta, iteration, pulled)
 
 
-def _read(pid: int, address: int, into: torch.Tensor) -> bool:
-    """Whether `into` could be read from `pid`'s memory; a failure (another PID namespace, a
-    kernel that refuses) is not one of the part: it then comes over the group."""
-    try:
-        cma.read_from(pid, address, memoryview(into.numpy()))
-    except OSError:
-        return False
-    return True
-
-
 def _read_into(head: Announced, nbytes: int, into: Segments) -> int | None:
     """Read an offered part into the views `into` (the bytes between them into scratch, as
     the checksum covers them), hashing each piece while it is in cache; returns the part's
-    checksum as `checksum` defines it, or None when the kernel would not read it."""
+    checksum as `checksum` defines it, or None when the kernel would not read it (another
+    PID namespace, a kernel that refuses: not a fault of the part, which then comes over the
+    group)."""
     h = xxhash.xxh3_64()
     at = 0
     try:

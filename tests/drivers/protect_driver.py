@@ -29,8 +29,9 @@ from deadpool_megatron.checkpoint.restore import (
     recv_part,
     restore_from_parts,
     restore_from_snapshot,
-    send_parameters,
-    send_replica,
+    sent,
+    serve_parameters,
+    serve_replica,
 )
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.logging_setup import setup_logging
@@ -155,9 +156,9 @@ class Checks:
                 ["replica", trainer.iteration, victim, time.perf_counter() - start]
             )
         if self.rank == successor:
-            send_replica(pipeline.replicator.replicas, victim, victim)
+            sent(serve_replica(pipeline.replicator.replicas, victim, victim))
         if self.rank == peer:
-            send_parameters(pipeline.snapshotter.slots, layout.optimizer_nbytes, victim)
+            sent(serve_parameters(pipeline.snapshotter.slots, layout.optimizer_nbytes, victim))
         self._share_restored()
 
     def restore_local(self, trainer, victim: int) -> None:

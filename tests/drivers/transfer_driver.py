@@ -3,7 +3,7 @@ job: torch's "fake" backend stands in for NCCL (it completes every operation and
 bytes). Rank 0 serves a committed replica and the parameter part of a committed snapshot to
 rank 1 through `parallel.host_group()`, exactly as a recovery's restore stage does; rank 1
 prints what arrived as JSON. Were the transfer on the default group, nothing would arrive.
-With "offer", rank 0 offers both parts to be read from its memory (restore.send_part); with
+With "offer", rank 0 offers both parts to be read from its memory (restore.post_part); with
 "decayed", a byte of its committed replica changes after the commit (memory gone bad while
 it was held), and only the replica is sent: rank 1 prints the error it raised. With "live",
 rank 1 receives both parts as a rank being restored does (restore.receive_into) into the
@@ -34,8 +34,7 @@ from deadpool_megatron.checkpoint.restore import (
     receive_into,
     recv_part,
     restore_from_parts,
-    send_parameters,
-    send_replica,
+    sent,
     serve_parameters,
     serve_replica,
 )
@@ -112,7 +111,7 @@ def main(rank: int, store_file: str, flags: set[str]) -> None:
     elif decayed:
         if rank == 0:
             replica.committed().buffer[100] ^= 0x01
-            send_replica({0: replica}, 0, 1, group, ITERATION, offer)
+            sent(serve_replica({0: replica}, 0, 1, group, ITERATION, offer))
         else:
             try:
                 recv_part(OPTIMIZER_NBYTES, 0, group)
@@ -120,8 +119,8 @@ def main(rank: int, store_file: str, flags: set[str]) -> None:
                 out["error"] = str(err)
     elif rank == 0:
         out["sent"] = [
-            send_replica({0: replica}, 0, 1, group, ITERATION, offer),
-            send_parameters(snapshot, OPTIMIZER_NBYTES, 1, group, ITERATION, offer),
+            sent(serve_replica({0: replica}, 0, 1, group, ITERATION, offer)),
+            sent(serve_parameters(snapshot, OPTIMIZER_NBYTES, 1, group, ITERATION, offer)),
         ]
     else:
         data, meta, iteration, pulled = recv_part(OPTIMIZER_NBYTES, 0, group)
