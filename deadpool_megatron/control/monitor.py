@@ -229,9 +229,13 @@ class Monitor:
         return self._returncode(rank) == 0
 
     def lost(self, rank: int) -> str | None:
-        """During a recovery: why the process holding `rank` will never report (it exited, is
-        stopped, or shows no progress for its phase's limit), or None while it may still."""
+        """During a recovery: why the process holding `rank` will never report (it exited with
+        a nonzero status, is stopped, or shows no progress for its phase's limit), or None
+        while it may still. An exit with status 0 is not a loss even when it lands between the
+        coordinator's look at `finished` and this one: the next look finds it finished."""
         rc = self._returncode(rank)
+        if rc == 0:
+            return None
         if rc is not None:
             return describe(ProcessExited(rank, rc, self._clock()))
         now = self._clock()

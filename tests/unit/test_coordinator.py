@@ -19,7 +19,9 @@ from deadpool_megatron.control.messages import (
     RecoveryOrder,
     SpareAssignment,
 )
+from deadpool_megatron.control.monitor import Monitor
 from deadpool_megatron.events import EventLog, read_events
+from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists, rank_phases
 from deadpool_megatron.recovery.plan import TrainingFinished, Unrecoverable
 from deadpool_megatron.topology import Topology
@@ -173,6 +175,29 @@ def test_a_rank_that_finished_beside_live_ones_is_replaced_like_a_failed_one(kv)
     assert rec.finished == {2} and rec.permanent == {1}
     plan = coord.decide(rec, held, ["spare-0", "spare-1"])
     assert plan.replaced == {1: "spare-0", 2: "spare-1"} and plan.local_restores == (0, 3)
+
+
+def test_a_rank_that_exits_cleanly_between_the_gathers_two_looks_is_finished_not_lost(kv):
+    # The gather asks the launcher's monitor whether a rank finished, then whether it is lost;
+    # the exit with status 0 (reported by the fork server's reader thread) can land between
+    # the two. It was then called lost and replaced as failed (a CI run: failed [2, 3]).
+    coord, ctx = make(kv)
+    rec = coord.order({2}, "rank 2 exited", 1.0)
+    holdings(kv, 1, [0, 1])
+    looks = []
+
+    def returncode(rank):  # rank 3: running at its first look, exited 0 from the second on
+        if rank == 2:
+            return -9
+        if rank == 3:
+            looks.append(rank)
+            return None if len(looks) == 1 else 0
+        return None
+
+    monitor = Monitor(ctx, [2, 3], returncode, 0.5, HangPolicy(2.0, 10.0, 5.0, 30.0),
+                      watch_heartbeats=True, clock=Clock())  # fmt: skip
+    coord.gather(rec, monitor.lost, lambda r, why: None, finished=monitor.finished)
+    assert rec.permanent == {2} and rec.finished == {3}
 
 
 def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteration(kv, tmp_path):
