@@ -30,10 +30,12 @@ is one JSON object:
  "nvrx_lost_s", "ratio_nvrx" (null without ft_launcher), "hotswap_recovery_s",
  "hotswap_growth_over_sizes", "hotswap_growth_beyond_iteration" (the same for the recovery
  minus one normal iteration: the resumed iteration it ends with costs what any iteration of
- that model costs), "hotswap_growth_to_resume" (the same for the failure to the moment every
- rank resumed: the recovery without its resumed iteration), "prebuilt_lost_s",
+ that model costs), "hotswap_growth_beyond_local_iteration" (the same minus the median of the
+ iterations around the resumed one in the same run, which leaves out how fast this shared
+ machine computed in each run), "hotswap_growth_to_resume" (the same for the failure to the
+ moment every rank resumed: the recovery without its resumed iteration), "prebuilt_lost_s",
  "prebuilt_recovery_s", "prebuilt_growth_over_sizes", "prebuilt_growth_beyond_iteration",
- "prebuilt_growth_to_resume", ...}.
+ "prebuilt_growth_beyond_local_iteration", "prebuilt_growth_to_resume", ...}.
 
 nvidia-resiliency-ext's launcher runs from an environment of its own (it only launches: the
 workers run this interpreter, through --no-python), e.g.
@@ -194,12 +196,28 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
     iter_s = statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0
     final = next(r for r in records if r.get("event") == "final")
     return {"span_s": span, "unexplained_s": span - useful, "iteration_s": iter_s,
+            "iteration_ms": {i: r["iteration_ms"] for i, r in last.items()},
             "wall_s": time.time() - start,
             "events": read_events(str(events)) if events.exists() else [],
             "digest": final["state_digest"]}  # fmt: skip
 
 
-def breakdown_hotswap(events: list[dict], iter_s: float) -> dict:
+NEIGHBOURS = 5  # iterations each side of the resumed one that say how fast this run computed
+
+
+def local_iteration_s(iteration_ms: dict[int, float], resumed: int) -> float | None:
+    """The median of the iterations around the resumed one in the same run (up to NEIGHBOURS
+    before and after it, neither the first iteration nor the resumed one): how long an
+    iteration took while the recovery's ran. The median over every run of a size (iter_s)
+    mixes runs that computed at different speeds on this shared machine."""
+    near = [ms for i, ms in iteration_ms.items()
+            if i > 1 and i != resumed and abs(i - resumed) <= NEIGHBOURS]  # fmt: skip
+    return statistics.median(near) / 1000.0 if near else None
+
+
+def breakdown_hotswap(
+    events: list[dict], iter_s: float, iteration_ms: dict[int, float] | None = None
+) -> dict:
     phases = {e["phase"]: e["duration_s"] for e in events if e["event"] == "recovery_phase"}
     done = next(e for e in events if e["event"] == "recovery_done")
     out = {k: phases.get(k, 0.0) for k in HOTSWAP_PHASES}
@@ -211,6 +229,11 @@ def breakdown_hotswap(events: list[dict], iter_s: float) -> dict:
     # Failure to the moment the last rank resumed: the recovery without the resumed iteration,
     # whose duration swings with the machine (by +-0.2 s at 12.7M here) more than the rest.
     out["to_resume_s"] = done["total_s"] - phases.get("first_iteration", 0.0)
+    # The same beyond the iterations around it in this run: the resumed iteration's own extra
+    # cost (a warm-up) still counts, the run's speed against the other runs' does not.
+    local = local_iteration_s(iteration_ms or {}, done["iteration"] + 1)
+    out["local_iteration_s"] = local if local is not None else iter_s
+    out["beyond_local_iteration_s"] = done["total_s"] - out["local_iteration_s"]
     out["bytes_moved"] = done["bytes_moved"]
     return out
 
@@ -299,7 +322,9 @@ def _line(r: dict, iter_s: float) -> str:
             h = r[key]
             parts.append(
                 f"{label} {h['lost_s']:.2f} s (recovery {h['recovery_total_s']:.2f} s, "
-                f"{h['beyond_iteration_s']:.2f} s beyond one iteration, every rank resumed after "
+                f"{h['beyond_iteration_s']:.2f} s beyond one iteration, "
+                f"{h['beyond_local_iteration_s']:.2f} s beyond one of its own run's "
+                f"({h['local_iteration_s']:.2f} s), every rank resumed after "
                 f"{h['to_resume_s']:.2f} s: "
                 + ", ".join(f"{k} {h[k]:.3f}" for k in HOTSWAP_PHASES)
                 + ")"
@@ -343,7 +368,10 @@ def main(argv=None) -> int:
                                for m in modes}}  # fmt: skip
         for key, mode in hotswaps:
             r[key] = _median_breakdown(
-                [breakdown_hotswap(x["events"], iter_s) for x in runs[f"{mode}_failure"]]
+                [
+                    breakdown_hotswap(x["events"], iter_s, x["iteration_ms"])
+                    for x in runs[f"{mode}_failure"]
+                ]  # fmt: skip
             )
         for key, mode in restarts:
             r[key] = _median_breakdown(
@@ -379,6 +407,9 @@ def main(argv=None) -> int:
         summary[f"{key}_growth_over_sizes"] = _growth(results, key, "recovery_total_s")
         summary[f"{key}_growth_beyond_iteration"] = _growth(results, key, "beyond_iteration_s")
         summary[f"{key}_growth_to_resume"] = _growth(results, key, "to_resume_s")
+        summary[f"{key}_growth_beyond_local_iteration"] = _growth(
+            results, key, "beyond_local_iteration_s"
+        )
     summary.update({
         "parameters_ratio": results[-1]["parameters"] / first["parameters"],
         "save_interval": a.save_interval,
