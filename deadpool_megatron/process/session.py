@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from ..failure.injector import FaultInjector
 from ..failure.progress import ProgressBoard
 from ..megatron.model import TrainState, train_state
+from ..megatron.stop_points import StopPoints
 from ..megatron.training import LoopHooks
 from ..recovery.stages import ProcessRecovery, Protect
 from .guard import Guard
@@ -63,6 +64,7 @@ class ProtectedLoop(LoopHooks):
         self._after_iteration = after_iteration  # a bench's or a test's own bookkeeping
         self.faults = faults  # injected faults when no guard injects them
         self.position = None  # the loop: iteration, state, pipeline, attach/detach
+        self.stop_points = StopPoints(self.check_stop)
 
     def bind(self, position) -> None:
         """The loop whose position this session protects (a new one after a takeover)."""
@@ -79,12 +81,20 @@ class ProtectedLoop(LoopHooks):
         self.start(held, self.position.iteration)
 
     def before_step(self, iteration: int) -> None:
+        p = self.position
+        if self.guard is not None and not p.on_gpu and p.state is not None:
+            self.stop_points.cover(p.state.model)  # a model new to the loop (a rebuild)
         self.phase(iteration + 1, "forward")
+
+    def check_stop(self) -> None:
+        """Raise RecoveryOrdered when a recovery was ordered (the stop points inside a
+        micro-batch, megatron/stop_points.py, call it too)."""
+        if self.guard is not None:
+            self.guard.check_stop()
 
     def phase(self, iteration: int, name: str) -> None:
         self.progress.mark(iteration, name)
-        if self.guard is not None:
-            self.guard.check_stop()  # a recovery was ordered: stop at this boundary
+        self.check_stop()  # a recovery was ordered: stop at this boundary
         self.inject(iteration, name)
 
     def after_step(self, iteration: int, loss) -> None:

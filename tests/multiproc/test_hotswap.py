@@ -122,7 +122,11 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
     assert done["replaced"] == {str(victim): "spare-0"}
     assert done["bytes_moved"] > 0  # parameters + optimizer shard, to the spare only
     if victim != 3:  # rank 3 writes the metrics: killed, its last line may be missing
-        assert _replays(result) == done["replayed_iterations"]
+        # A replayed iteration's first run has its metrics line unless the order stopped
+        # rank 3 between that iteration's optimizer step and the line (at its snapshot
+        # phase: "iteration 6 stopped" with snapshots [3, 4] held, in one run of kill@0:6).
+        replayed = done["replayed_iterations"]
+        assert _replays(result) in (replayed, replayed - 1), (_replays(result), replayed)
 
 
 def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
