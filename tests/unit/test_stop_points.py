@@ -13,15 +13,15 @@ DRIVER = ROOT / "tests" / "drivers" / "stop_points_driver.py"
 
 
 def test_stop_points_strike_inside_a_micro_batch_and_change_nothing(tmp_path):
-    (out,) = run_drivers(DRIVER, [["plain,covered,stop:6,stop:70", str(tmp_path / "store")]],
+    (out,) = run_drivers(DRIVER, [["plain,covered,stop:6,stop:38", str(tmp_path / "store")]],
                          timeout_s=200)  # fmt: skip
-    plain, covered, early, later = (out[m] for m in ("plain", "covered", "stop:6", "stop:70"))
-    # Each of the 4 layers, forward and backward, in each of the 8 micro-batches.
+    plain, covered, early, later = (out[m] for m in ("plain", "covered", "stop:6", "stop:38"))
+    # Each of the 4 layers' forward in each of the 8 micro-batches.
     assert covered["covered"] == 4 and covered["covered_again"] == 0
-    assert covered["calls_per_iteration"] == [64, 64]
+    assert covered["calls_per_iteration"] == [32, 32]
     assert covered["losses"] == plain["losses"] and covered["digest"] == plain["digest"]
-    # Call 6: the first micro-batch's forward went through 4 layers, its backward through 2;
-    # the iteration stops there instead of at the next micro-batch's backward.
+    # Call 6: the first micro-batch went through its 4 layers (and its backward), the second
+    # through 1; the iteration stops there, not at that micro-batch's backward.
     assert early["stopped"] == "call 6" and early["completed"] == 0 and early["losses"] == []
     assert later["completed"] == 1 and later["losses"] == plain["losses"][:1]
-    assert later["calls_per_iteration"] == [64, 6]
+    assert later["calls_per_iteration"] == [32, 6]
