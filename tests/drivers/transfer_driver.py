@@ -13,7 +13,12 @@ it expects iteration 8, not the 7 sent, and must write nothing into its tensors.
 does, each under its own tag); with "elsewhere", rank 1 takes itself for another host's
 process, so every offered part is answered "stream it".
 
-usage: transfer_driver.py RANK STORE_FILE [offer] [decayed] [live] [stale] [posted] [elsewhere]
+Several scenarios run one after the other in the same two processes (each in process groups
+of its own), which saves each its interpreter and imports: SCENARIO is its flags joined by
+"+" ("plain" for none). Prints one JSON object: scenario -> what rank RANK saw.
+
+usage: transfer_driver.py RANK STORE_FILE SCENARIO [SCENARIO ...]
+    flags: offer decayed live stale posted elsewhere
 """
 
 from __future__ import annotations
@@ -89,13 +94,30 @@ def committed(nbytes: int, seed: int, meta: bytes) -> SlotPair:
     return pair
 
 
-def main(rank: int, store_file: str, flags: set[str]) -> None:
+FLAGS = ("offer", "decayed", "live", "stale", "posted", "elsewhere")
+
+
+def main(rank: int, store_file: str, scenarios: list[str]) -> None:
+    store = dist.FileStore(store_file, 2)
+    host = restore.HOST
+    outs = {}
+    for i, scenario in enumerate(scenarios):
+        flags = set() if scenario == "plain" else set(scenario.split("+"))
+        unknown = flags - set(FLAGS)
+        if unknown:
+            raise SystemExit(f"unknown flag(s) {sorted(unknown)} in {scenario!r}: {FLAGS}")
+        restore.HOST = -1 if "elsewhere" in flags and rank == 1 else host  # another host's
+        dist.init_process_group(
+            "fake", store=dist.PrefixStore(f"scenario{i}", store), rank=rank, world_size=2
+        )
+        outs[scenario] = run(rank, flags)
+        dist.destroy_process_group()
+    print(json.dumps(outs), flush=True)
+
+
+def run(rank: int, flags: set[str]) -> dict:
     offer, decayed, live, stale = (f in flags for f in ("offer", "decayed", "live", "stale"))
     posted = "posted" in flags
-    if "elsewhere" in flags and rank == 1:
-        restore.HOST = -1  # no offer's host is this one's
-    store = dist.FileStore(store_file, 2)
-    dist.init_process_group("fake", store=store, rank=rank, world_size=2)
     group = parallel.host_group()
     out = {"default_backend": dist.get_backend(), "group_backend": dist.get_backend(group)}
     replica = committed(OPTIMIZER_NBYTES, 1, REPLICA_META)
@@ -134,7 +156,7 @@ def main(rank: int, store_file: str, flags: set[str]) -> None:
         out["iterations"] = [iteration, params_iteration]
         out["sha"] = hashlib.sha256(params.numpy().tobytes()).hexdigest()
     dist.barrier(group=group)
-    print(json.dumps(out), flush=True)
+    return out
 
 
 def receive_live(
@@ -171,4 +193,4 @@ def receive_live(
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], set(sys.argv[3:]))
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
