@@ -15,6 +15,7 @@ Megatron-LM calls them from deep inside its own functions, where nothing can be 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 from ..failure.injector import FaultInjector
@@ -24,6 +25,8 @@ from ..megatron.stop_points import StopPoints
 from ..megatron.training import LoopHooks
 from ..recovery.stages import ProcessRecovery, Protect
 from .guard import Guard
+
+log = logging.getLogger("deadpool.worker")
 
 _CURRENT: list[LoopHooks] = []
 
@@ -83,7 +86,10 @@ class ProtectedLoop(LoopHooks):
     def before_step(self, iteration: int) -> None:
         p = self.position
         if self.guard is not None and not p.on_gpu and p.state is not None:
-            self.stop_points.cover(p.state.model)  # a model new to the loop (a rebuild)
+            covered = self.stop_points.cover(p.state.model)  # a model new to the loop
+            if covered:
+                log.info("stop points before %d transformer layer(s): a recovery order stops "
+                         "this rank's forward pass there", covered)  # fmt: skip
         self.phase(iteration + 1, "forward")
 
     def check_stop(self) -> None:

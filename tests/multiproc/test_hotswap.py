@@ -121,6 +121,10 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {str(victim): "spare-0"}
     assert done["bytes_moved"] > 0  # parameters + optimizer shard, to the spare only
+    # Stop points on every model a loop trains: 4 ranks' in generation 0, then the spare's and
+    # the 3 survivors' rebuilt ones (2 transformer layers each, PP2).
+    covered = [line for line in result.output.splitlines() if "stop points before" in line]
+    assert len(covered) == 8 and all("before 2 transformer" in line for line in covered), covered
     if victim != 3:  # rank 3 writes the metrics: killed, its last line may be missing
         # A replayed iteration's first run has its metrics line unless the order stopped
         # rank 3 between that iteration's optimizer step and the line (at its snapshot
