@@ -25,30 +25,24 @@ from collections.abc import Callable, Iterable
 import torch
 
 
-def transformer_layer_type() -> type:
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    return TransformerLayer
-
-
 class StopPoints:
     """Calls `check` (which raises to stop) before each covered layer runs forward. The hook
     only reads: the loss, gradients and every byte of the state are what they are without it."""
 
-    def __init__(self, check: Callable[[], None], layer_type: type | None = None):
+    def __init__(self, check: Callable[[], None]):
         self._check = check
-        self._layer_type = layer_type
         self._covered: weakref.WeakSet = weakref.WeakSet()
 
     def cover(self, chunks: Iterable[torch.nn.Module]) -> int:
         """Hook every layer of the model chunks not covered yet; returns how many were."""
-        layer_type = self._layer_type or transformer_layer_type()
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
         added = 0
         for chunk in chunks:
             if chunk in self._covered:
                 continue
             for module in chunk.modules():
-                if isinstance(module, layer_type):
+                if isinstance(module, TransformerLayer):
                     module.register_forward_pre_hook(self._before_forward)
                     added += 1
             self._covered.add(chunk)
