@@ -5,7 +5,7 @@ need one."""
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from waiting import STORE_CONNECT_S  # noqa: E402
 from deadpool_megatron.control.etcd_store import EtcdKVStore  # noqa: E402
 from deadpool_megatron.control.store import StoreUnreachable  # noqa: E402
 from deadpool_megatron.control.tcp_store import TcpKVStore  # noqa: E402
+from jobs import Drivers  # noqa: E402
 
 
 @pytest.fixture
@@ -62,6 +63,14 @@ def etcd_url(tmp_path_factory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def run_drivers() -> Iterator[Callable[[Path, list[list[str]], float], list[dict]]]:
+    """`run_drivers(driver, argvs, timeout_s)`: the drivers of tests/drivers, forked (jobs.Drivers)."""
+    drivers = Drivers()
+    yield drivers.run
+    drivers.close()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

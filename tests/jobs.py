@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deadpool_megatron.agent.forks import ForkServer
+from deadpool_megatron.agent.forkserver import server_env, worker_defaults
+from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
 from deadpool_megatron.metrics import read_executions, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,25 +149,63 @@ def run_job_and_kill(
     return _result(proc.returncode, "".join(lines), metrics), victim_pid, signalled_at
 
 
-def run_drivers(driver: Path, argvs: list[list[str]], timeout_s: float) -> list[dict]:
-    """Run one driver process per argv at once (each a rank of a small torch.distributed job
-    of its own) and return, in order, the JSON object each printed last; a driver that fails
-    fails the test with its stderr."""
-    procs = [
-        subprocess.Popen([sys.executable, str(driver), *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for argv in argvs
-    ]  # fmt: skip
-    outs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout_s)
-            assert proc.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:
-            proc.kill()
-    return outs
+class Drivers:
+    """Starts the drivers of tests/drivers (each a rank of a small torch.distributed job of its
+    own) as forks of one fork server (agent/forkserver.py) for the whole session, forked from
+    the session's zygote where there is one: a driver started as `python driver.py` imported
+    torch and megatron-core itself, 4-8 CPU-seconds each here, most of a short test's time. A
+    forked driver runs as that command would (its argv, environment, folder first on its path;
+    the fork server's own tests show it), with the workers' defaults (one intra-op thread)."""
+
+    def __init__(self):
+        zygote = os.environ.get(ENV_FORK_ZYGOTE, "")
+        self._forks = ForkServer(server_env(os.environ), zygote=zygote, output=lambda line: None)
+
+    def run(self, driver: Path, argvs: list[list[str]], timeout_s: float) -> list[dict]:
+        """Run one driver per argv at once and return, in order, the last JSON object each
+        printed; a driver that fails or outlives `timeout_s` fails the test with its output."""
+        env = worker_defaults(dict(os.environ))
+        procs = [self._forks.spawn([str(driver), *argv], env, str(ROOT)) for argv in argvs]
+        outputs: list[list[bytes]] = [[] for _ in procs]
+        readers = [threading.Thread(target=lambda p=p, o=o: o.append(p.stdout.read()), daemon=True)
+                   for p, o in zip(procs, outputs, strict=True)]  # fmt: skip
+        for reader in readers:
+            reader.start()
+        deadline, late = time.monotonic() + timeout_s, set()
+        try:
+            for proc in procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    late.add(proc.pid)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)  # a session of its own
+                    proc.wait(10)
+            for reader in readers:
+                reader.join(10)
+        outs = []
+        for proc, output in zip(procs, outputs, strict=True):
+            text = b"".join(output).decode(errors="replace")
+            why = f"still running after {timeout_s} s" if proc.pid in late else "failed"
+            assert proc.returncode == 0, f"{driver.name} {why} ({proc.returncode}):\n{text[-3000:]}"
+            outs.append(_last_json(text))
+        return outs
+
+    def close(self) -> None:
+        self._forks.close()
+
+
+def _last_json(text: str) -> dict:
+    """A driver's stdout and stderr share one pipe: its result is the last line that is a JSON
+    object (stderr may have written after it)."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                return json.loads(line)
+    raise AssertionError(f"no JSON object in the driver's output:\n{text[-3000:]}")
 
 
 def _result(returncode: int, output: str, metrics: Path) -> JobResult:

@@ -6,7 +6,11 @@ to, what each predecessor sent, and how many process groups exist beside megatro
 With ranks_per_node set, the ring interleaves nodes (so the edges are not DP neighbours):
 creation order must still never deadlock.
 
-usage: ring_pairs_driver.py RANK WORLD TP PP REPLICAS RANKS_PER_NODE STORE_FILE
+Several jobs run one after the other in the same processes, each with process groups of its
+own (a rank beyond a job's world sits it out), which saves each its interpreters and imports.
+A job is WORLD,TP,PP,REPLICAS,RANKS_PER_NODE. Prints one JSON object: job -> what RANK saw.
+
+usage: ring_pairs_driver.py RANK STORE_FILE JOB [JOB ...]
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ from deadpool_megatron.megatron import parallel
 from deadpool_megatron.topology import Topology
 
 
-def main(rank, world, tp, pp, replicas, per_node, store_file) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank,
-                            world_size=world)  # fmt: skip
+def run(rank, world, tp, pp, replicas, per_node) -> dict:
     parallel_state.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
     before = len(dist.distributed_c10d._world.pg_map)
     topo = Topology(world, tp, pp, per_node or None)
@@ -49,8 +51,25 @@ def main(rank, world, tp, pp, replicas, per_node, store_file) -> None:
         "groups_added": len(dist.distributed_c10d._world.pg_map) - before,
     }
     dist.barrier()
-    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(rank: int, store_file: str, jobs: list[str]) -> None:
+    worlds = [int(job.split(",")[0]) for job in jobs]
+    store = dist.FileStore(store_file, max(worlds))
+    outs = {}
+    for i, job in enumerate(jobs):
+        world, tp, pp, replicas, per_node = map(int, job.split(","))
+        if rank >= world:
+            continue
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore(f"job{i}", store), rank=rank, world_size=world
+        )
+        outs[job] = run(rank, world, tp, pp, replicas, per_node)
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    print(json.dumps(outs), flush=True)
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:7]), sys.argv[7])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3:])

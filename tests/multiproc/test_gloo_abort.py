@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(480)]
 
 
-def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_path):
+def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_path, run_drivers):
     driver = ROOT / "tests" / "drivers" / "abort_p2p_driver.py"
     outs = run_drivers(driver, [[str(r), str(tmp_path / "store")] for r in range(2)], 150)
     out = outs[1]
@@ -37,7 +37,7 @@ def test_an_abort_ends_pending_sends_and_receives_and_their_helper_threads(tmp_p
     assert out["destroyed"]  # the group's destructor found nothing pending
 
 
-def test_an_abort_while_all_reduces_run_rarely_leaves_one_pending(tmp_path):
+def test_an_abort_while_all_reduces_run_rarely_leaves_one_pending(tmp_path, run_drivers):
     # 100 rounds per rank. The previous abort (both directions shut, the connection closed by
     # gloo at once) left one pending in 11 of 120 rank-rounds of the same driver; this one
     # about 1 in 100 (4 of 560 here, 1 of 40 in CI; always a 4 MB all-reduce on the process

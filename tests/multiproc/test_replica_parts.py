@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(240)]
 
 DRIVER = ROOT / "tests" / "drivers" / "replica_parts_driver.py"
 
 
-def test_replicas_in_parts_equal_their_shards(tmp_path):
+def test_replicas_in_parts_equal_their_shards(tmp_path, run_drivers):
     world, replicas = 4, 2
     argvs = [[str(r), str(world), str(replicas), "4096", str(tmp_path / "store")]
              for r in range(world)]  # fmt: skip

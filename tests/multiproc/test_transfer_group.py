@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
@@ -19,7 +19,7 @@ SCENARIOS = ["plain", "offer", "decayed", "offer+decayed", "live", "offer+live",
 
 
 @pytest.fixture(scope="module")
-def seen(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+def seen(tmp_path_factory, run_drivers) -> dict[str, tuple[dict, dict]]:
     """scenario -> (what rank 0, the serving rank, saw; what rank 1 saw)."""
     driver = ROOT / "tests" / "drivers" / "transfer_driver.py"
     store = tmp_path_factory.mktemp("transfer") / "store"

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
 DRIVER = ROOT / "tests" / "drivers" / "keep_or_build_driver.py"
 
 
-def test_a_rank_that_cannot_keep_its_model_builds_and_its_peer_meets_the_build(tmp_path):
+def test_a_rank_that_cannot_keep_its_model_builds_and_its_peer_meets_the_build(
+    tmp_path, run_drivers
+):
     # The plan counted on nobody building; rank 1's model holds a group with no role, so it
     # builds all the same. Rank 0 learns so and performs its own build's collectives again
     # (the optimizer's key gathering over every rank): without that, rank 1 would wait in
@@ -25,7 +27,7 @@ def test_a_rank_that_cannot_keep_its_model_builds_and_its_peer_meets_the_build(t
     assert zero["sum"] == one["sum"] == 3.0
 
 
-def test_ranks_that_all_keep_their_models_perform_no_build_collective(tmp_path):
+def test_ranks_that_all_keep_their_models_perform_no_build_collective(tmp_path, run_drivers):
     store = str(tmp_path / "store")
     outs = run_drivers(DRIVER, [["0", store, "-1"], ["1", store, "-1"]], timeout_s=150)
     assert [o["kept"] for o in outs] == [True, True] and [o["sum"] for o in outs] == [3.0, 3.0]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_a_stand_in_build_is_the_target_ranks_own():
+def test_a_stand_in_build_is_the_target_ranks_own(run_drivers):
     # A process of its own: torch.distributed and megatron-core's globals are per process.
     (out,) = run_drivers(ROOT / "tests" / "drivers" / "prebuild_driver.py", [[]], timeout_s=150)
     first, last = out["3"], out["5"]  # demo vocabulary 128 over TP2: TP rank 1 holds 64-128

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _run(*args: str) -> dict:
+def _run(run_drivers, *args: str) -> dict:
     # A process of its own: torch.distributed and megatron-core's globals are per process.
     (out,) = run_drivers(ROOT / "tests" / "drivers" / "rebind_driver.py", [list(args)], 150)
     return out
 
 
-def test_every_old_group_a_real_gpt_state_holds_is_swapped_for_the_new_one():
-    out = _run()
+def test_every_old_group_a_real_gpt_state_holds_is_swapped_for_the_new_one(run_drivers):
+    out = _run(run_drivers)
     assert "_TENSOR_MODEL_PARALLEL_GROUP" in out["roles"] and "WORLD" in out["roles"]
     assert out["swapped"] > 10  # layers, DDP, its bucket groups, the optimizer
     assert out["reachable"] > 0 and out["stale"] == []
@@ -37,8 +37,8 @@ def test_every_old_group_a_real_gpt_state_holds_is_swapped_for_the_new_one():
     assert out["unreplayable"] is None and out["replayed"] == len(calls)
 
 
-def test_a_group_with_no_role_refuses_the_rebind_and_changes_nothing():
-    out = _run("unknown")
+def test_a_group_with_no_role_refuses_the_rebind_and_changes_nothing(run_drivers):
+    out = _run(run_drivers, "unknown")
     assert "stray_group" in out["refused"] and "swapped" not in out
     assert out["layer_group_unchanged"] and not out["layer_group_is_new"]
     assert any("stray_group" in path for path in out["stale"])

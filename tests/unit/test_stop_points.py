@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = pytest.mark.timeout(240)
 
 DRIVER = ROOT / "tests" / "drivers" / "stop_points_driver.py"
 
 
-def test_stop_points_strike_inside_a_micro_batch_and_change_nothing(tmp_path):
+def test_stop_points_strike_inside_a_micro_batch_and_change_nothing(tmp_path, run_drivers):
     (out,) = run_drivers(DRIVER, [["plain,covered,stop:6,stop:38", str(tmp_path / "store")]],
                          timeout_s=200)  # fmt: skip
     plain, covered, early, later = (out[m] for m in ("plain", "covered", "stop:6", "stop:38"))

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import ROOT, run_drivers
+from jobs import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_an_undrawn_build_marks_every_parameter_as_a_drawn_one():
+def test_an_undrawn_build_marks_every_parameter_as_a_drawn_one(run_drivers):
     # A process of its own: torch.distributed and megatron-core's globals are per process.
     (out,) = run_drivers(ROOT / "tests" / "drivers" / "undrawn_driver.py", [[]], timeout_s=150)
     assert out["undrawn"] == out["drawn"]
