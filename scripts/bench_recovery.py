@@ -47,7 +47,7 @@ workers run this interpreter, through --no-python), e.g.
         --save-interval 10                                 # a quick look
     python scripts/bench_recovery.py --nproc 4 --tp 1 --hidden-sizes 128,512 --iters 30 \\
         --fail-at 25 --strategies hotswap,prebuilt --repeats 3   # the two hot-swaps, medians
-    python scripts/bench_recovery.py --nproc 4 --tp 1 --pp 2 --hidden-sizes 128,512 --iters 30 \
+    python scripts/bench_recovery.py --nproc 4 --tp 1 --pp 2 --hidden-sizes 128,512 --iters 30 \\
         --fail-at 25 --strategies prebuilt,streamed --repeats 3   # state read or streamed
 """
 

@@ -180,24 +180,10 @@ class Trainer:
             start = time.perf_counter()
             self.hooks.before_step(self.iteration)
             loss = self.train_step()
-            self.hooks.after_step(self.iteration, loss)  # the snapshot and its ring replica
-            elapsed_ms = (time.perf_counter() - start) * 1000.0
-            if self.is_logging_rank and loss is not None:
-                self.metrics.iteration(self.iteration, loss, elapsed_ms)
-                if self.iteration % self.cfg.logging.log_interval == 0:
-                    tokens = t.global_batch_size * self.cfg.model.seq_length
-                    log.info(
-                        iteration_line(
-                            self.iteration,
-                            t.train_iters,
-                            self.iteration * t.global_batch_size,
-                            elapsed_ms,
-                            self.state.optimizer.param_groups[0]["lr"],
-                            t.global_batch_size,
-                            loss,
-                            tokens / (elapsed_ms / 1000.0),
-                        )
-                    )
+            try:
+                self.hooks.after_step(self.iteration, loss)  # the snapshot and its ring replica
+            finally:  # the step is done: its loss is the iteration's, whatever stops the loop
+                self._log_iteration(loss, (time.perf_counter() - start) * 1000.0)
             if self.async_queue is not None and self.async_queue.get_num_unfinalized_calls():
                 self.async_queue.maybe_finalize_async_calls(blocking=False)
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
@@ -210,6 +196,26 @@ class Trainer:
             self._save()
             self.finalize_saves()
         self.hooks.after_training(self.iteration)
+
+    def _log_iteration(self, loss: float | None, elapsed_ms: float) -> None:
+        t = self.cfg.training
+        if not self.is_logging_rank or loss is None:
+            return
+        self.metrics.iteration(self.iteration, loss, elapsed_ms)
+        if self.iteration % self.cfg.logging.log_interval == 0:
+            tokens = t.global_batch_size * self.cfg.model.seq_length
+            log.info(
+                iteration_line(
+                    self.iteration,
+                    t.train_iters,
+                    self.iteration * t.global_batch_size,
+                    elapsed_ms,
+                    self.state.optimizer.param_groups[0]["lr"],
+                    t.global_batch_size,
+                    loss,
+                    tokens / (elapsed_ms / 1000.0),
+                )
+            )
 
     def _save(self) -> None:
         it = self.iteration

@@ -23,7 +23,7 @@ from ..failure.progress import ProgressBoard
 from ..megatron.model import TrainState, train_state
 from ..megatron.stop_points import StopPoints
 from ..megatron.training import LoopHooks
-from ..recovery.stages import ProcessRecovery, Protect
+from ..recovery.stages import ProcessRecovery, Protect, RecoveryOrdered
 from .guard import Guard
 
 log = logging.getLogger("deadpool.worker")
@@ -106,7 +106,14 @@ class ProtectedLoop(LoopHooks):
     def after_step(self, iteration: int, loss) -> None:
         p = self.position
         if p.pipeline is not None:
-            self.phase(iteration, "snapshot")
+            try:
+                self.phase(iteration, "snapshot")
+            except RecoveryOrdered:
+                # The iteration's step is done: snapshot it before obeying, so that the plan
+                # need not throw it away (the abort that follows finishes the copy; its ring
+                # replica may not get out, and the plan then rolls back as before).
+                p.pipeline.after_step(iteration)
+                raise
             p.pipeline.after_step(iteration)
         self.progress.mark(iteration, "done")
         if self.guard is not None:

@@ -217,17 +217,19 @@ class UpstreamSession(ProtectedLoop):
 
     def after_step(self, iteration: int, loss_dict: dict) -> None:
         self.position.completed(iteration)
-        super().after_step(iteration, loss_dict)
+        try:
+            super().after_step(iteration, loss_dict)
+        finally:  # the step is done: its loss is the iteration's, whatever stops the loop
+            loss = upstream.loss_value(loss_dict)
+            if self.metrics is not None and loss is not None:
+                elapsed_ms = (time.perf_counter() - self._step_started) * 1e3
+                self.metrics.iteration(iteration, loss, elapsed_ms)
         from megatron.training.global_vars import get_args
 
         slow = upstream.slow_work_after(get_args(), iteration)
         last = iteration >= self.cfg.training.train_iters  # what pretrain() does next is its end
         if last or slow is not None:
             self.progress.mark(iteration, "finish" if last else slow)
-        loss = upstream.loss_value(loss_dict)
-        if self.metrics is not None and loss is not None:
-            elapsed_ms = (time.perf_counter() - self._step_started) * 1e3
-            self.metrics.iteration(iteration, loss, elapsed_ms)
         pipeline = self.position.pipeline
         if slow == "save" and pipeline is not None and self.guard.fault_due(iteration, "save"):
             # Megatron-LM's save has no hook inside: a save fault strikes as it starts, once

@@ -12,6 +12,7 @@ from deadpool_megatron.failure.injector import InjectedFault
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.process.guard import restart_faults
 from deadpool_megatron.process.session import ProtectedLoop, current, serving
+from deadpool_megatron.recovery.stages import RecoveryOrdered
 from deadpool_megatron.runtime import ProcessEnv
 
 
@@ -27,7 +28,7 @@ class FakeGuard:
     def check_stop(self):
         self.calls("check_stop")
         if self.stop:
-            raise RuntimeError("recovery ordered")
+            raise RecoveryOrdered("recovery ordered")
 
     def inject(self, iteration, phase):
         self.calls("inject", iteration, phase)
@@ -78,7 +79,7 @@ def test_before_step_marks_the_next_iteration_then_obeys_orders_then_injects():
 
 def test_a_stop_order_raises_before_any_fault_fires():
     calls = Calls()
-    with pytest.raises(RuntimeError, match="recovery ordered"):
+    with pytest.raises(RecoveryOrdered, match="recovery ordered"):
         _session(calls, stop=True).before_step(4)
     assert calls == [("check_stop",)]
 
@@ -92,6 +93,16 @@ def test_after_step_snapshots_then_marks_done_then_lets_guard_and_recovery_act()
         ("after_iteration", 4),
     ]  # fmt: skip
     assert session.progress.read().phase == "done"
+
+
+def test_an_order_at_the_snapshot_phase_is_obeyed_once_the_finished_step_is_snapshotted():
+    # The step is done: throwing its snapshot away would make the plan replay the iteration.
+    calls = Calls()
+    session = _session(calls, stop=True)
+    with pytest.raises(RecoveryOrdered):
+        session.after_step(5, 2.5)
+    assert calls == [("check_stop",), ("snapshot", 5)]  # no fault fires, nothing more runs
+    assert (session.progress.read().iteration, session.progress.read().phase) == (5, "snapshot")
 
 
 def test_without_protection_or_guard_only_progress_is_marked():
