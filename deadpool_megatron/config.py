@@ -82,6 +82,12 @@ class TrainingConfig:
     exit_interval: int | None = knob(
         None, "Stop after this iteration, saving a checkpoint first when --save is set."
     )
+
+    @property
+    def last_iteration(self) -> int:
+        """The iteration training stops after: --train-iters, or --exit-interval if sooner."""
+        return min(self.train_iters, self.exit_interval or self.train_iters)
+
     lr: float = knob(3e-3, "Peak learning rate.")
     min_lr: float = knob(0.0, "Minimum learning rate at the end of decay.")
     lr_decay_style: str = knob(
@@ -522,7 +528,7 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
         parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
                      spares=int(spares) if spares is not None else None,
-                     last_iteration=cfg.training.train_iters)  # fmt: skip
+                     last_iteration=cfg.training.last_iteration)  # fmt: skip
     _require(
         dpc.deadpool_spare_prebuild >= 0,
         f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "

@@ -175,7 +175,7 @@ class Trainer:
     def train(self) -> None:
         """Train to --train-iters (or --exit-interval)."""
         t, c = self.cfg.training, self.cfg.checkpoint
-        last = min(t.train_iters, t.exit_interval or t.train_iters)
+        last = t.last_iteration
         while self.iteration < last:
             start = time.perf_counter()
             self.hooks.before_step(self.iteration)
