@@ -21,6 +21,7 @@ _SHARED_FLAGS: tuple[tuple[str, type | None, object], ...] = (
     ("--micro-batch-size", int, None),
     ("--global-batch-size", int, None),
     ("--train-iters", int, None),
+    ("--exit-interval", int, None),
     ("--seed", int, 1234),
     ("--save", str, None),
     ("--load", str, None),

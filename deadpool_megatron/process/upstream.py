@@ -112,7 +112,14 @@ class UpstreamSession(ProtectedLoop):
                     self.pending = _Pending(plan, old_groups, time.perf_counter() - started)
                 generation = plan.generation if plan is not None else 0
                 store = dist.PrefixStore(self.ctx.store_prefix(generation), self.store)
-                pretrain(*args, **{**kwargs, "store": store})
+                try:
+                    pretrain(*args, **{**kwargs, "store": store})
+                except SystemExit as ended:
+                    if ended.code not in (None, 0):
+                        raise
+                    # Megatron-LM's train() leaves through sys.exit(0) when an exit condition
+                    # of its own is met (--exit-interval, --exit-duration-in-mins, a signal):
+                    # the end of training, its save done, as when pretrain() returns.
                 break
             except RecoveryFailed as lost:
                 return self._lost(lost)

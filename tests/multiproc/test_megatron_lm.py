@@ -139,3 +139,19 @@ def test_upstream_death_in_the_last_periodic_save_is_hot_swapped_and_saved_again
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
     assert killed_losses == losses
     assert killed_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(
+    megatron_lm, failure_free, tmp_path
+):
+    # Megatron-LM's train() leaves through sys.exit(0) at --exit-interval: that is the end of
+    # training (the final metrics line, the agreed stop), and a rank killed after it (phase
+    # finish, checked against the exit interval) is not replaced.
+    losses, _ = failure_free
+    exited_losses, exited_final, output = _run(
+        megatron_lm, tmp_path, "exit_interval",
+        ["--exit-interval", "8", "--deadpool-inject", "kill@1:8:finish"],
+    )  # fmt: skip
+    assert exited_final is not None and exited_final["iteration"] == 8
+    assert exited_losses == {i: losses[i] for i in range(1, 9)}
+    assert "spare 0 claimed" not in output
