@@ -72,6 +72,8 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         (["--micro-batch-size", "2", "--train-iters", "10", "--deadpool"], 4,
          "--use-distributed-optimizer"),
         ([*BASE, "--deadpool", "--pipeline-model-parallel-size", "4"], 4, "data-parallel size"),
+        ([*BASE, "--deadpool", "--exit-interval", "8", "--deadpool-inject", "kill@1:10:finish"],
+         4, "last iteration, 8, not after 10"),  # Megatron-LM's train() exits there
     ],
 )  # fmt: skip
 def test_parse_job_config_names_the_bad_value(argv, world, message):
