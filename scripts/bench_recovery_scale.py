@@ -21,7 +21,8 @@ least-squares line per phase (seconds = a + b x processes) says what grows.
 
 Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": {N: s},
 "growth_8_to_32", "first_iteration_ratio", "recovery_cpu_s" (the busiest process's CPU seconds
-over the recovery, which oversubscription does not inflate), "cpu_growth_8_to_32",
+over the recovery, which oversubscription does not inflate), "recovery_cpu_busiest_rank"
+(which process that was), "cpu_growth_8_to_32",
 "phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt",
 "recovery_s_gloo", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
@@ -132,6 +133,7 @@ def job(
         out["recovery_s"] = done_ev["total_s"]
         out["cpu_s_max"] = done_ev.get("cpu_s_max")  # the busiest process's CPU seconds
         out["cpu_s_mean"] = done_ev.get("cpu_s_mean")
+        out["cpu_s_busiest_rank"] = done_ev.get("cpu_s_busiest_rank")
         out["victim"] = victim
         # how far apart the ranks resumed (the first iteration is counted from the last)
         out["resume_skew_s"] = phases.get("resume_skew")
@@ -207,6 +209,7 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         # process has cores of its own, the growth that more cores would not remove.
         "recovery_cpu_s": {str(n): cpu[n] for n in counts},
         "recovery_cpu_s_mean": {str(n): runs[n].get("cpu_s_mean") for n in counts},
+        "recovery_cpu_busiest_rank": {str(n): runs[n].get("cpu_s_busiest_rank") for n in counts},
         f"cpu_growth_{lo}_to_{hi}": cpu_growth,
         "phase_slope_ms_per_process": slopes,
         "recovery_fit": {
@@ -301,11 +304,12 @@ def main(argv=None) -> int:
         if not a.no_gloo_run:
             failed["gloo"] = keep_model_run(a, n, work, digest, transport="gloo")
         runs[n] = failed
-        ph = failed["phases"]
+        ph, busiest = failed["phases"], failed["cpu_s_busiest_rank"]
+        who = f"rank {busiest}" + (", the spare" if busiest == failed["victim"] else "")
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
               + ", ".join(f"{k} {ph[k]:.2f}" for k in PHASES)
               + f"; ranks resumed {failed['resume_skew_s'] or 0:.2f} s apart"
-              + f"), CPU {failed['cpu_s_max']} s in the busiest process"
+              + f"), CPU {failed['cpu_s_max']} s in the busiest process ({who})"
               + f", iteration {failed['iteration_s']:.3f} s, bitwise equal to the twin: "
               f"{failed.get('bitwise_equal')}, job {failed['wall_s']:.0f} s", flush=True)  # fmt: skip
     summary = summarize(a, runs)

@@ -254,10 +254,12 @@ class Coordinator:
             "iteration": rec.plan.iteration,
             "replaced": {str(k): v for k, v in rec.plan.replaced.items()},
         }
-        cpu = [r.cpu_s for r in records if r.cpu_s is not None]
+        cpu = {rank: r.cpu_s for rank, r in enumerate(records) if r.cpu_s is not None}
         if cpu:  # per process: what the recovery costs where every process has its own cores
-            summary["cpu_s_max"] = round(max(cpu), 4)
-            summary["cpu_s_mean"] = round(sum(cpu) / len(cpu), 4)
+            busiest = max(cpu, key=cpu.__getitem__)
+            summary["cpu_s_max"] = round(cpu[busiest], 4)
+            summary["cpu_s_busiest_rank"] = busiest
+            summary["cpu_s_mean"] = round(sum(cpu.values()) / len(cpu), 4)
         checked = [r.groups_checked for r in records]
         if all(c is not None for c in checked):  # --deadpool-verify-groups
             summary["groups_checked_min"] = min(checked)

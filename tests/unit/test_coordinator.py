@@ -215,6 +215,7 @@ def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteratio
     summary = coord.poll_done()
     assert summary["total_s"] == pytest.approx(0.5 + 1.0 + 3)
     assert summary["cpu_s_max"] == 3.5 and summary["cpu_s_mean"] == 2.0  # per process
+    assert summary["cpu_s_busiest_rank"] == 3
     assert summary["bytes_moved"] == 1000 and summary["replaced"] == {"3": "spare-0"}
     assert coord.pending is None and coord.poll_done() is None
     events = read_events(str(tmp_path / "ev.jsonl"))
