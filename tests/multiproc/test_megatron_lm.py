@@ -154,4 +154,5 @@ def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recov
     )  # fmt: skip
     assert exited_final is not None and exited_final["iteration"] == 8
     assert exited_losses == {i: losses[i] for i in range(1, 9)}
-    assert "spare 0 claimed" not in output
+    assert "injecting kill@1:8:finish" in output and "spare 0 claimed" not in output
+    assert "rank(s) [0, 2, 3] finished training before rank(s) [1] failed" in output
