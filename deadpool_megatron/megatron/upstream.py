@@ -111,6 +111,14 @@ def slow_work_after(args, iteration: int) -> str | None:
     return None
 
 
+def ends_after(args, iteration: int) -> bool:
+    """Whether Megatron-LM's train() ends after `iteration`: at --train-iters, or at a multiple
+    of --exit-interval (where it saves first with --save, then calls sys.exit(0))."""
+    return iteration >= args.train_iters or bool(
+        args.exit_interval and iteration % args.exit_interval == 0
+    )
+
+
 def loss_value(loss_dict: dict) -> float | None:
     """The iteration's language-model loss, exact, where it is known (last pipeline stage)."""
     value = loss_dict.get("lm loss") if loss_dict else None

@@ -233,8 +233,9 @@ class UpstreamSession(ProtectedLoop):
                 self.metrics.iteration(iteration, loss, elapsed_ms)
         from megatron.training.global_vars import get_args
 
-        slow = upstream.slow_work_after(get_args(), iteration)
-        last = iteration >= self.cfg.training.train_iters  # what pretrain() does next is its end
+        args = get_args()
+        slow = upstream.slow_work_after(args, iteration)
+        last = upstream.ends_after(args, iteration)  # what pretrain() does next is its end
         if last or slow is not None:
             self.progress.mark(iteration, "finish" if last else slow)
         pipeline = self.position.pipeline

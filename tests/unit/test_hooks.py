@@ -13,7 +13,7 @@ import pytest
 
 from deadpool_megatron import hooks
 from deadpool_megatron.errors import ConfigError
-from deadpool_megatron.megatron.upstream import parse_job_config, slow_work_after
+from deadpool_megatron.megatron.upstream import ends_after, parse_job_config, slow_work_after
 from deadpool_megatron.runtime import ENV_ROLE
 
 PATCHES = Path(__file__).resolve().parents[2] / "patches"
@@ -87,6 +87,15 @@ def test_evaluations_and_saves_after_a_step_are_marked_as_slow_phases():
                                                                    "evaluate"]  # fmt: skip
     args = SimpleNamespace(eval_interval=10, do_valid=False, save=None, save_interval=None)
     assert slow_work_after(args, 10) is None
+
+
+def test_training_ends_after_the_last_iteration_or_a_multiple_of_the_exit_interval():
+    # What follows is the end (phase finish, a slow one): the save at an exit interval that is
+    # not a save interval must not be timed as an ordinary iteration's end.
+    args = SimpleNamespace(train_iters=12, exit_interval=8)
+    assert [ends_after(args, i) for i in (7, 8, 9, 12)] == [False, True, False, True]
+    args = SimpleNamespace(train_iters=12, exit_interval=None)
+    assert [ends_after(args, i) for i in (8, 11, 12)] == [False, False, True]
 
 
 def test_the_tracker_megatron_lm_and_we_share_names_an_iteration_or_nothing(tmp_path):
