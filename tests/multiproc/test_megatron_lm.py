@@ -148,11 +148,14 @@ def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recov
     # training (the final metrics line, the agreed stop), and a rank killed after it (phase
     # finish, checked against the exit interval) is not replaced.
     losses, _ = failure_free
+    free_losses, free_final, _ = _run(megatron_lm, tmp_path, "exit_free", ["--exit-interval", "8"])
     exited_losses, exited_final, output = _run(
         megatron_lm, tmp_path, "exit_interval",
         ["--exit-interval", "8", "--deadpool-inject", "kill@1:8:finish"],
     )  # fmt: skip
-    assert exited_final is not None and exited_final["iteration"] == 8
-    assert exited_losses == {i: losses[i] for i in range(1, 9)}
+    assert free_final is not None and free_final["iteration"] == 8
+    assert free_losses == {i: losses[i] for i in range(1, 9)}
+    assert exited_losses == free_losses
+    assert exited_final["state_digest"] == free_final["state_digest"]
     assert "injecting kill@1:8:finish" in output and "spare 0 claimed" not in output
     assert "rank(s) [0, 2, 3] finished training before rank(s) [1] failed" in output
