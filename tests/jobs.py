@@ -21,7 +21,7 @@ from deadpool_megatron.metrics import read_executions, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB_TIMEOUT_S = 300
-SIGNIFICANT = re.compile(r" (WARNING|ERROR|CRITICAL) |Traceback|Error\b|Exception\b|\]:   File ")
+SIGNIFICANT = re.compile(r" (WARNING|ERROR|CRITICAL) |Traceback|Error\b|Exception\b|\] +File ")
 
 
 @dataclass

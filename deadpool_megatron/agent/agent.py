@@ -259,7 +259,7 @@ class Agent:
             self.ctx, sorted(workers), lambda r: exit_seen(workers[r].proc),
             p.deadpool_heartbeat_interval, HangPolicy.from_config(p),
             watch_heartbeats=p.deadpool, probe=lambda r: workers[r].probe(),
-            on_suspect=self._on_suspect,
+            on_suspect=self._on_suspect, world_size=self.world_size,
         )  # fmt: skip
         coordinator = Coordinator(self.ctx, self.topology(), p.deadpool_replicas, self.events,
                                   node=self.node)  # fmt: skip

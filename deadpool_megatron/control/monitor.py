@@ -91,7 +91,12 @@ def _is_hearsay(e: Evidence) -> bool:
 
 class Monitor:
     """Watches `ranks` in the generation `ctx` is at (read at every poll: when it moves on,
-    the old generation's heartbeats and reports are forgotten)."""
+    the old generation's heartbeats and reports are forgotten).
+
+    `world_size`: the job's ranks (None: `ranks` are all of them). Hearsay that names no peer
+    is pinned on the one silent member only by a monitor that watches every member: a node's agent sees only its own
+    ranks, and a local rank that merely has not reported yet is not the failed one (the
+    failure is elsewhere: its node's agent, or the node's lapsed lease, tells)."""
 
     def __init__(
         self,
@@ -104,8 +109,10 @@ class Monitor:
         clock: Callable[[], float] = time.time,
         probe: Callable[[int], ProcessProbe | None] = lambda rank: None,
         on_suspect: Callable[[int, str], None] = lambda rank, reason: None,
+        world_size: int | None = None,
     ):
         self.ctx = ctx
+        self.world_size = world_size
         self.job = ctx.job
         self.ranks = ranks
         self._generation = ctx.generation  # which generation's keys the state below is of
@@ -157,7 +164,7 @@ class Monitor:
             self._inconclusive_since = now
         stalled = now - self._inconclusive_since >= self.stall_after_s
         try:
-            decision = classify(evidence, self.history, self.policy, self.ranks, stalled)
+            decision = classify(evidence, self.history, self.policy, self._members(), stalled)
         except InconclusiveEvidence:
             return None  # only survivors' hearsay so far: the exit or a stale beat follows
         won = decision.evidence
@@ -166,6 +173,12 @@ class Monitor:
             # the direct evidence a moment to arrive before acting on hearsay.
             return None
         return Detection(decision, tuple(evidence), now, self._injected_at(decision.rank))
+
+    def _members(self) -> list[int] | None:
+        """The generation's members for `classify`, when this monitor watches all of them."""
+        if self.world_size is None or len(self.ranks) == self.world_size:
+            return self.ranks
+        return None
 
     def _observe_processes(self, now: float) -> None:
         for rank in self.ranks:

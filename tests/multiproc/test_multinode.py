@@ -154,7 +154,7 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
     finally:
         nodes.stop()
     assert gone_after is not None and gone_after < 2.0, gone_after  # the heartbeat timeout
-    assert rcs[:2] + rcs[3:] == [0, 0, 0], nodes.all_output()[-6000:]
+    assert rcs[:2] + rcs[3:] == [0, 0, 0], result(nodes).failure()
     job = result(nodes)
     assert job.losses == baseline.losses and job.digest == baseline.digest
     events = read_events(str(log))
@@ -186,7 +186,7 @@ def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_
         rcs = nodes.wait(400)
     finally:
         nodes.stop()
-    assert rcs == [0, 0, 0], nodes.all_output()[-6000:]
+    assert rcs == [0, 0, 0], result(nodes).failure()
     job = result(nodes)
     assert job.losses == baseline.losses and job.digest == baseline.digest
     events = read_events(str(log))
@@ -236,7 +236,7 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
     finally:
         nodes.stop()
         etcd.stop()
-    assert rcs[1:] == [0, 0, 0], nodes.all_output()[-6000:]
+    assert rcs[1:] == [0, 0, 0], result(nodes).failure()
     job = result(nodes, 1)
     assert job.losses == baseline_long.losses and job.digest == baseline_long.digest
     events = read_events(str(log))
@@ -256,7 +256,7 @@ def test_checkpoint_restart_is_one_restart_of_every_node(tmp_path, baseline):
         rcs = nodes.wait(600)
     finally:
         nodes.stop()
-    assert rcs == [0, 0, 0], nodes.all_output()[-6000:]
+    assert rcs == [0, 0, 0], result(nodes).failure()
     job = result(nodes)
     assert job.losses == baseline.losses and job.digest == baseline.digest
     events = read_events(str(log))

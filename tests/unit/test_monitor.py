@@ -199,6 +199,25 @@ def test_hearsay_that_stays_alone_blames_the_silent_rank_after_the_grace(kv):
     assert d.classification.rank == 2 and d.classification.kind.value == "transient"
 
 
+def test_a_node_s_monitor_never_blames_its_own_silent_rank_for_hearsay(kv):
+    # A node's agent watches its ranks 0 and 1 of a 3-rank job: rank 0 reports a lost peer,
+    # rank 1 has not yet. The failure is elsewhere (rank 2's node tells, or its lease lapses):
+    # rank 1 is not accused; only after twice the heartbeat timeout with nothing else is the
+    # whole generation reset, attributed to the reporter.
+    clock, codes = Clock(), {}
+    monitor = Monitor(JobContext(kv, JOB), [0, 1], codes.get, 0.5, POLICY,
+                      watch_heartbeats=True, clock=clock, probe=Processes().probe,
+                      world_size=3)  # fmt: skip
+    report_peer_loss(kv, (0,))
+    for n in range(7):  # first seen at 0.4 s, still waiting 3.4 s later
+        for rank in (0, 1):
+            beat(kv, rank, n)
+        assert advance(monitor, clock, 0.5 if n else 0.4) is None
+    d = advance(monitor, clock, 1.1)  # 4.1 s after the report was first seen
+    assert d.classification.kind.value == "transient" and d.classification.rank == 0
+    assert "whole generation" in d.classification.reason
+
+
 def test_hearsay_from_every_member_is_acted_on_after_twice_the_heartbeat_timeout(kv):
     # Every member reports a lost peer, every heartbeat stays fresh: nothing more will come
     # (the stall a process's own report overwritten by its consequence used to cause).
