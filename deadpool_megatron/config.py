@@ -80,13 +80,18 @@ class TrainingConfig:
     global_batch_size: int = knob(16, "Samples per iteration across all data-parallel ranks.")
     train_iters: int = knob(50, "Iterations to train.")
     exit_interval: int | None = knob(
-        None, "Stop after this iteration, saving a checkpoint first when --save is set."
+        None,
+        "Exit after an iteration divisible by this value (Megatron-LM's), saving a checkpoint "
+        "first when --save is set; a job that loads it again trains to the next multiple.",
     )
 
-    @property
-    def last_iteration(self) -> int:
-        """The iteration training stops after: --train-iters, or --exit-interval if sooner."""
-        return min(self.train_iters, self.exit_interval or self.train_iters)
+    def end_iteration(self, start: int) -> int:
+        """The iteration training stops after when it starts from iteration `start` (its
+        --load's, or 0): --train-iters, or if sooner the first multiple of --exit-interval
+        after `start` (Megatron-LM's condition, checked after each iteration it trains)."""
+        if not self.exit_interval:
+            return self.train_iters
+        return min(self.train_iters, (start // self.exit_interval + 1) * self.exit_interval)
 
     lr: float = knob(3e-3, "Peak learning rate.")
     min_lr: float = knob(0.0, "Minimum learning rate at the end of decay.")
@@ -528,7 +533,7 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
         parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
                      spares=int(spares) if spares is not None else None,
-                     last_iteration=cfg.training.last_iteration)  # fmt: skip
+                     last_iteration=_known_end(cfg))  # fmt: skip
     _require(
         dpc.deadpool_spare_prebuild >= 0,
         f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "
@@ -548,6 +553,15 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         f"coordinates; 0 keeps local snapshots only: transient failures are reset in place, "
         f"a lost process is not recoverable in memory)",
     )
+
+
+def _known_end(cfg: JobConfig) -> int | None:
+    """The iteration training stops after, when the flags alone say (not after a --load with
+    --exit-interval: that end depends on the checkpoint's iteration)."""
+    t = cfg.training
+    if cfg.checkpoint.load and t.exit_interval:
+        return None
+    return t.end_iteration(0)
 
 
 def cfg_world_size(cfg: JobConfig, dp: int) -> int:

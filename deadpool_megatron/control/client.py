@@ -30,6 +30,7 @@ from .messages import (
     Registration,
     SparePrebuilt,
     SpareRegistration,
+    TrainingEnd,
     spare_id,
 )
 
@@ -110,6 +111,14 @@ class ControlClient:
 
     def footprint(self, rank: int) -> HostFootprint | None:
         return self.ctx.get(keys.footprint(self.ctx.job, rank), HostFootprint)
+
+    def publish_training_end(self, iteration: int) -> None:
+        """Where this job's training stops (every rank of the first generation agrees)."""
+        self.ctx.create(keys.training_end(self.ctx.job), TrainingEnd(iteration))
+
+    def training_end(self) -> int | None:
+        end = self.ctx.get(keys.training_end(self.ctx.job), TrainingEnd)
+        return None if end is None else end.iteration
 
     def claim_fault(self, fault: str) -> bool:
         """True for the first process of the job to fire `fault`, False for any later one."""

@@ -114,6 +114,11 @@ def footprint(job: str, rank: int) -> str:
     return f"{_job(job)}/footprint/{rank}"
 
 
+def training_end(job: str) -> str:
+    """The iteration the job's training stops after (written by its first generation)."""
+    return f"{_job(job)}/training_end"
+
+
 def spare_prebuilt(job: str, spare_id: str) -> str:
     """The ranks an idle spare built a model and optimizer for (written by the spare)."""
     return f"{_job(job)}/spare/{spare_id}/prebuilt"

@@ -319,6 +319,16 @@ class HostFootprint(Record):
 
 
 @dataclass(frozen=True)
+class TrainingEnd(Record):
+    """The iteration this job's training stops after: --train-iters, or the multiple of
+    --exit-interval after the iteration it started from (its --load's). The first generation
+    writes it; a spare that takes a rank over starts from the resumed iteration and reads it,
+    so that its loop ends where the survivors' do."""
+
+    iteration: int
+
+
+@dataclass(frozen=True)
 class SparePrebuilt(Record):
     """The ranks an idle spare can take over without building (it built their model and
     optimizer while idle, `--deadpool-spare-prebuild`), written once its builds are done; the

@@ -91,8 +91,14 @@ class Trainer:
         hooks: LoopHooks | None = None,
         iteration: int = 0,
         pipeline: ProtectionPipeline | None = None,
+        end_iteration: int | None = None,
     ):
         self.cfg = cfg
+        # Where training stops, fixed by where this job started (a spare that takes a rank
+        # over is handed the job's: it starts from the resumed iteration, not the --load's).
+        self.end_iteration = (
+            cfg.training.end_iteration(iteration) if end_iteration is None else end_iteration
+        )
         self.hooks = hooks or LoopHooks()
         self.on_gpu = on_gpu
         self.dp_size = data_parallel_size(cfg, world_size)
@@ -173,10 +179,9 @@ class Trainer:
         return (loss / self.dp_size).item()
 
     def train(self) -> None:
-        """Train to --train-iters (or --exit-interval)."""
-        t, c = self.cfg.training, self.cfg.checkpoint
-        last = t.last_iteration
-        while self.iteration < last:
+        """Train to `end_iteration` (--train-iters, or the next multiple of --exit-interval)."""
+        c = self.cfg.checkpoint
+        while self.iteration < self.end_iteration:
             start = time.perf_counter()
             self.hooks.before_step(self.iteration)
             loss = self.train_step()

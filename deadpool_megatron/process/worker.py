@@ -127,9 +127,16 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
     )  # fmt: skip
     make_trainer = partial(_trainer, cfg, env, session)
     if takeover is not None:
-        trainer = recovery.take_over(takeover.generation, make_trainer)
+        end = guard.client.training_end()  # the job's, not where this spare starts from
+        if end is None:
+            log.warning("the job's last iteration is not in the store; taking it from the "
+                        "flags as if training had started at iteration 0")  # fmt: skip
+        trainer = recovery.take_over(takeover.generation,
+                                     partial(make_trainer, end_iteration=end))  # fmt: skip
     else:
         trainer = _start(cfg, env, store, make_trainer, events)
+        if guard is not None:
+            guard.client.publish_training_end(trainer.end_iteration)
     log.info(
         "ready to train %.1f s after process start (set-up %.1f s), from iteration %d",
         time.time() - psutil.Process().create_time(), time.perf_counter() - start,
@@ -168,8 +175,10 @@ def _trainer(
     state: TrainState,
     on_gpu: bool,
     iteration: int = 0,
+    end_iteration: int | None = None,
 ) -> Trainer:
-    trainer = Trainer(cfg, state, env.world_size, on_gpu, session, iteration)
+    trainer = Trainer(cfg, state, env.world_size, on_gpu, session, iteration,
+                      end_iteration=end_iteration)  # fmt: skip
     session.bind(trainer)
     return trainer
 

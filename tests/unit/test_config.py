@@ -85,6 +85,20 @@ def test_invalid_combinations_name_the_value(args, world, message):
     assert message in str(err.value)
 
 
+def test_training_ends_at_the_first_multiple_of_the_exit_interval_after_its_start(tmp_path):
+    # Megatron-LM's --exit-interval: a job that saved and exited at iteration 8 and is
+    # submitted again with the same flags (and --load) trains on to 16, then to --train-iters.
+    t = parse_job_args([*DEMO, "--train-iters", "20", "--exit-interval", "8"], 8).training
+    assert [t.end_iteration(s) for s in (0, 7, 8, 9, 16)] == [8, 8, 16, 16, 20]
+    assert parse_job_args([*DEMO, "--train-iters", "20"], 8).training.end_iteration(8) == 20
+    # With --load and --exit-interval the end depends on the checkpoint: a finish-phase fault
+    # is not checked against the flags alone.
+    ckpt = str(tmp_path / "ckpt")
+    cfg = parse_job_args([*DEMO, "--deadpool", "--save", ckpt, "--load", ckpt, "--exit-interval",
+                          "8", "--deadpool-inject", "kill@1:16:finish"], 8)  # fmt: skip
+    assert cfg.deadpool.deadpool_inject == "kill@1:16:finish"
+
+
 def test_load_may_name_the_save_directory_before_it_exists(tmp_path):
     """Megatron's resume-if-present pattern (`--save DIR --load DIR`), as torchrun restarts use
     it; a --load naming another missing directory stays an error."""
