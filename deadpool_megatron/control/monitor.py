@@ -94,9 +94,10 @@ class Monitor:
     the old generation's heartbeats and reports are forgotten).
 
     `world_size`: the job's ranks (None: `ranks` are all of them). Hearsay that names no peer
-    is pinned on the one silent member only by a monitor that watches every member: a node's agent sees only its own
-    ranks, and a local rank that merely has not reported yet is not the failed one (the
-    failure is elsewhere: its node's agent, or the node's lapsed lease, tells)."""
+    is pinned on the one silent member only by a monitor that watches every member: a node's
+    agent sees only its own ranks, and a local rank that merely has not reported yet is not
+    the failed one (the failure is elsewhere: its node's agent, or the node's lapsed lease,
+    tells)."""
 
     def __init__(
         self,

@@ -145,8 +145,7 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
         killed_at = time.time()
         gone_after = None
         while time.time() - killed_at < 10:
-            if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                       for p in children):  # fmt: skip
+            if not any(_running(p) for p in children):
                 gone_after = time.time() - killed_at
                 break
             time.sleep(0.01)
@@ -197,6 +196,14 @@ def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_
     assert len(ended) == 3 and all(e["status"] == 0 for e in ended), ended
     out = nodes.output(0) + nodes.output(1)
     assert "told its coordinator so" in out or "following the recovery into generation 1" in out
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (it may vanish between two looks)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _wait_for_builds(nodes, node: int, built: dict[int, int], timeout_s: float = 60) -> None:
