@@ -23,6 +23,8 @@ Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": 
 "growth_8_to_32", "first_iteration_ratio", "recovery_cpu_s" (the busiest process's CPU seconds
 over the recovery, which oversubscription does not inflate), "recovery_cpu_busiest_rank"
 (which process that was), "cpu_growth_8_to_32",
+"cpu_bound_s" (every rank's CPU over the recovery divided by --cores: the shortest it could
+take here), "recovery_over_cpu_bound", "cpu_bound_growth_8_to_32",
 "phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt",
 "recovery_s_gloo", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"), type=results_file
     )
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                   help="cores the jobs share, for the CPU bound (default: this process's)")  # fmt: skip
     p.add_argument("--reuse", action="store_true",
                    help="summarize the jobs a previous run recorded in --out again")  # fmt: skip
     a = p.parse_args(argv)
@@ -193,6 +198,7 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
     lo, hi = (8, 32) if {8, 32} <= set(counts) else (counts[0], counts[-1])
     cpu = {n: runs[n].get("cpu_s_max") for n in counts}
     cpu_growth = round(cpu[hi] / cpu[lo], 3) if cpu[lo] and cpu[hi] else None
+    bound = cpu_bound(runs, counts, a.cores)
     return {
         "recovery_s": {str(n): round(recovery[n], 3) for n in counts},
         "phases_s": {
@@ -211,6 +217,16 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         "recovery_cpu_s_mean": {str(n): runs[n].get("cpu_s_mean") for n in counts},
         "recovery_cpu_busiest_rank": {str(n): runs[n].get("cpu_s_busiest_rank") for n in counts},
         f"cpu_growth_{lo}_to_{hi}": cpu_growth,
+        # Every rank's CPU over the recovery, spread over the machine's cores: no schedule can
+        # finish sooner. Where it grows as fast as the recovery, the recovery is bound by the
+        # cores, and its growth by the number of processes sharing them.
+        "cores": a.cores,
+        "cpu_bound_s": {str(n): round(b, 3) for n, b in bound.items()} or None,
+        "recovery_over_cpu_bound": {str(n): round(recovery[n] / b, 3) for n, b in bound.items()}
+        or None,
+        f"cpu_bound_growth_{lo}_to_{hi}": round(bound[hi] / bound[lo], 3)
+        if lo in bound and hi in bound
+        else None,
         "phase_slope_ms_per_process": slopes,
         "recovery_fit": {
             "intercept_s": round(intercept, 4),
@@ -227,6 +243,12 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         "hidden_size": a.hidden_size,
         "num_layers": a.num_layers,
     }
+
+
+def cpu_bound(runs: dict[int, dict], counts: list[int], cores: int) -> dict[int, float]:
+    """The shortest wall time the recovery's CPU allows on `cores`: every rank's CPU seconds
+    over it (mean x ranks) divided by the cores, by process count (where the mean is known)."""
+    return {n: runs[n]["cpu_s_mean"] * n / cores for n in counts if runs[n].get("cpu_s_mean")}
 
 
 def _variant(runs: dict[int, dict], counts: list[int], key: str, name: str) -> dict:

@@ -34,6 +34,21 @@ def etcd_binary() -> str:
     return found
 
 
+def count_keys(url: str, prefix: str) -> int:
+    """How many keys under `prefix` the etcd at `url` holds (its JSON gateway's range)."""
+    import base64
+    import json
+    import urllib.request
+
+    start = prefix.encode()
+    end = start[:-1] + bytes([start[-1] + 1])  # the prefixes asked here end in "/", not 0xff
+    body = {"key": base64.b64encode(start).decode(), "count_only": True,
+            "range_end": base64.b64encode(end).decode()}  # fmt: skip
+    req = urllib.request.Request(url + "/v3/kv/range", data=json.dumps(body).encode())
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        return int(json.loads(resp.read()).get("count", 0))
+
+
 @dataclass
 class EtcdCluster:
     """A real etcd cluster of several members on loopback."""
@@ -72,6 +87,11 @@ class EtcdCluster:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+    def count(self, prefix: str) -> int:
+        """How many keys under `prefix` the cluster holds (asked of its first live member)."""
+        return count_keys(next(u for u, p in zip(self.urls, self.procs) if p.poll() is None),
+                          prefix)  # fmt: skip
 
     def kill(self, member: int) -> None:
         self.procs[member].kill()

@@ -15,6 +15,7 @@ import argparse
 import datetime
 import logging
 import signal
+import socket
 import time
 import uuid
 from dataclasses import astuple
@@ -28,6 +29,7 @@ from ..control.messages import (
     AgentBeat,
     Flag,
     JobIdentity,
+    JobLaunch,
     Member,
     Membership,
     PlanDecision,
@@ -38,7 +40,7 @@ from ..control.messages import (
     spare_id,
 )
 from ..control.monitor import Detection, Monitor
-from ..control.signed import job_secret, signed
+from ..control.signed import ForgedRecord, job_secret, signed
 from ..control.store import StoreTimeout, StoreUnreachable
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
@@ -143,6 +145,32 @@ class Agent:
             self.job_id = self._agree_job_id()
         self.fault_scope = self.job_id
         self.ctx = JobContext(self.kv, self.job_id)
+        if self._outlives_launches():
+            self._claim_launch()
+
+    def _outlives_launches(self) -> bool:
+        """etcd keeps a job's keys after its launch; node 0's TCPStore ends with it."""
+        return self.settings.protection.deadpool_store == "etcd"
+
+    def _claim_launch(self) -> None:
+        """Make sure this launch owns its job id's keys before any process starts. Another
+        launch's (signed with another secret) read as absent, so its registrations and
+        leases would be ignored while its counters (unsigned) were added to, and its
+        membership refused ours with a traceback: such a job id is refused here, by name."""
+        mine = JobLaunch(socket.gethostname(), self.node, time.time())
+        try:
+            self.ctx.create(keys.launch(self.job_id), mine)  # or another agent of ours did
+            return
+        except ForgedRecord:
+            endpoint = self.kv.endpoint
+        raise ConfigError(
+            f"job id {self.job_id!r} already has keys in the store at {endpoint} written by "
+            "another launch (not signed with this launch's DEADPOOL_JOB_SECRET): it ended "
+            "without finishing, or still runs. Launch with another --job-id (the Slurm script "
+            "gives a requeued job one of its own), or, once nothing of that launch runs, "
+            f"delete its keys: etcdctl del --prefix {keys.job_prefix(self.job_id)} and "
+            f"etcdctl del --prefix {keys.process_groups_prefix(self.job_id)}"
+        )
 
     def _agree_job_id(self) -> str:
         """One node: a fresh id. Several: the first agent to write one under this launch's
@@ -480,7 +508,7 @@ class Agent:
             log.error("cannot restart the job (%s) after %s; ending it", why, reason)
             return self._end(f"{reason}; no restart ({why})")
         count = self.restarts + 1
-        order = RestartOrder(f"{self.fault_scope}-r{count}", reason, count)
+        order = RestartOrder(keys.restarted_job(self.fault_scope, count), reason, count)
         self.ctx.create(keys.restart(self.fault_scope, count), order)
         return self._restart(self.ctx.get(keys.restart(self.fault_scope, count), RestartOrder))
 
@@ -562,17 +590,40 @@ class Agent:
 
     def _leave(self, run: Run) -> None:
         """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent
-        still reads the store until it has seen the job finish)."""
+        still reads the store until it has seen the job finish). In etcd, the last agent to
+        leave deletes the job's keys: nothing else reads them, and a finished job leaves
+        nothing behind in a store that serves job after job."""
+        outlives = self._outlives_launches()
+        if outlives:
+            self._stop_lease()  # no renewal may write its key back after the deletion
         left = self.kv.add(keys.agents_left(self.job_id), 1)
+        expected = self.node_count - len(run.nodes.lost_nodes())
+        if outlives:
+            if left == expected:
+                self._forget_job()
+            return
         if self.node != 0 or self.node_count == 1 or self.store is None:
             return
-        expected = self.node_count - len(run.nodes.lost_nodes())
         try:
             wait_until(lambda: left >= expected or self.kv.add(keys.agents_left(self.job_id), 0)
                        >= expected or None, AGENTS_LEAVE_S, "every agent to leave",
                        interval_s=0.05)  # fmt: skip
         except StoreTimeout as err:
             log.warning("%s; closing the store anyway", err)
+
+    def _forget_job(self) -> None:
+        jobs = [self.fault_scope,
+                *(keys.restarted_job(self.fault_scope, n) for n in range(1, self.restarts + 1))]  # fmt: skip
+        removed = 0
+        try:
+            for job in jobs:
+                for prefix in (keys.job_prefix(job), keys.process_groups_prefix(job)):
+                    removed += self.kv.delete_prefix(prefix) or 0
+        except (StoreUnreachable, StoreTimeout) as err:
+            log.warning("job %s finished, but its keys stay in the store: %s", self.job_id, err)
+            return
+        log.info("job %s: every agent left; its %d key(s) deleted from the store",
+                 self.fault_scope, removed)  # fmt: skip
 
     def _stop_lease(self) -> None:
         if self.lease is not None:

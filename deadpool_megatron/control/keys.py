@@ -10,11 +10,14 @@ from __future__ import annotations
 from ..errors import ConfigError
 
 ROOT = "deadpool"
+RESERVED = ("c10d", "launch")  # names under ROOT that are not jobs
 
 
 def _job(job: str) -> str:
     if not job or "/" in job or job.strip() != job:
         raise ConfigError(f"job id {job!r} must be non-empty, without '/' or surrounding spaces")
+    if job in RESERVED:
+        raise ConfigError(f"job id {job!r} is reserved for the store's own keys; pick another")
     return f"{ROOT}/{job}"
 
 
@@ -24,6 +27,11 @@ def job_prefix(job: str) -> str:
 
 
 C10D_ROOT = "deadpool/c10d/"  # torch's rendezvous keys, when they live in etcd
+
+
+def process_groups_prefix(job: str) -> str:
+    """Prefix of every generation's process-group rendezvous of `job`, when it lives in etcd."""
+    return C10D_ROOT + job + "/"
 
 
 def process_group_prefix(job: str, generation: int) -> str:
@@ -145,6 +153,12 @@ def fault_fired(job: str, fault: str) -> str:
     return f"{_job(job)}/fault/{fault}"
 
 
+def launch(job: str) -> str:
+    """Which launch owns `job`'s keys (`JobLaunch`, created by its first agent): a store that
+    outlives launches (etcd) may still hold another launch's under the same job id."""
+    return f"{_job(job)}/launch"
+
+
 def launch_identity(launch: str) -> str:
     """The job id agreed by the agents of one launch (`launch`: the store's address)."""
     return f"{ROOT}/launch/{launch}/job"
@@ -159,6 +173,12 @@ def rank_lost(job: str, generation: int, rank: int) -> str:
     """The hosting agent's word that `rank` will never report for the recovery into
     `generation` (`RankLost`)."""
     return f"{_job(job)}/gen/{generation}/lost/{rank}"
+
+
+def restarted_job(scope: str, count: int) -> str:
+    """The job id of checkpoint-restart number `count` of the job started as `scope`: a fresh
+    key space, so that nothing of the stopped processes is read again."""
+    return f"{scope}-r{count}"
 
 
 def restart(scope: str, count: int) -> str:

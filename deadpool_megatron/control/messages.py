@@ -370,6 +370,16 @@ class JobIdentity(Record):
 
 
 @dataclass(frozen=True)
+class JobLaunch(Record):
+    """The launch that owns a job id's keys: written by its first agent, signed like every
+    record, so an agent of another launch (another secret) reads it as absent."""
+
+    host: str
+    node: int
+    at: float  # wall-clock time it was written
+
+
+@dataclass(frozen=True)
 class AgentBeat(Record):
     """A node agent's lease on its node: what it hosts, renewed every heartbeat interval.
 

@@ -9,12 +9,16 @@ import itertools
 import multiprocessing
 import os
 import signal
+import threading
+import time
 
 import pytest
+from etcd_server import count_keys
 
-from deadpool_megatron.control import keys
+from deadpool_megatron.control import keys, messages
 from deadpool_megatron.control.etcd_store import EtcdKVStore
 from deadpool_megatron.control.membership import MembershipStore
+from deadpool_megatron.control.messages import JobLaunch
 from deadpool_megatron.control.signed import ENV_JOB_SECRET, SignedKVStore, new_secret
 from deadpool_megatron.events import read_events
 from deadpool_megatron.failure.inject import ChaosSchedule
@@ -119,8 +123,23 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
             "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd_url,
             "--deadpool-event-log", str(log)]  # fmt: skip
     secret = new_secret()
-    result = run_job(tmp_path, 4, args, spares=1, launcher=["--job-id", job],
-                     env={ENV_JOB_SECRET: secret})  # fmt: skip
+    members = MembershipStore(SignedKVStore(EtcdKVStore(etcd_url), secret.encode()), job)
+    seen = []  # generation 1's membership, read from etcd while the job runs
+
+    def watch() -> None:
+        while not seen and runner.is_alive():
+            current = members.current()
+            if current is not None and current.generation == 1:
+                seen.append((current, EtcdKVStore(etcd_url).get(keys.membership(job))))
+            time.sleep(0.05)
+
+    runner = threading.Thread(target=lambda: seen.append(run_job(
+        tmp_path, 4, args, spares=1, launcher=["--job-id", job], env={ENV_JOB_SECRET: secret},
+    )))  # fmt: skip
+    runner.start()
+    watch()
+    runner.join()
+    result = seen.pop()
     assert result.returncode == 0, result.failure()
     assert result.losses == baseline.losses and result.digest == baseline.digest
     events = read_events(str(log))
@@ -129,15 +148,36 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     assert detected["detect_latency_s"] <= 3.0
     # The hot-swap went through etcd too: generation 1 has the spare holding rank 1; what the
     # job wrote there is signed with its secret.
-    assert not EtcdKVStore(etcd_url).get(keys.membership(job)).startswith(b"{")
-    membership = MembershipStore(
-        SignedKVStore(EtcdKVStore(etcd_url), secret.encode()), job
-    ).current()
-    assert membership.generation == 1
+    assert seen, "generation 1's membership never appeared in etcd"
+    membership, raw = seen[0]
+    assert not raw.startswith(b"{")
     assert [m.rank for m in membership.ranks] == [0, 1, 2, 3]
     assert [m.coords for m in membership.ranks] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
     assert membership.member(1).process_id == "spare-0"
     assert membership.spares == ()
+    # Finished, the job left nothing in etcd, which serves job after job.
+    assert count_keys(etcd_url, keys.job_prefix(job)) == 0
+    assert count_keys(etcd_url, keys.process_groups_prefix(job)) == 0
+
+
+def test_a_job_id_whose_keys_another_launch_left_in_etcd_is_refused_before_any_process(
+    tmp_path, etcd_url
+):
+    # A launch that ended without finishing leaves its keys in etcd, signed with its secret.
+    # Another launch under the same id would ignore them (another secret) yet add to their
+    # counters: it is refused, with the two commands that clean up, before any process starts.
+    job = f"left-{tmp_path.name[-12:]}"
+    earlier = SignedKVStore(EtcdKVStore(etcd_url), new_secret().encode())
+    assert messages.create(earlier, keys.launch(job), JobLaunch("elsewhere", 0, time.time()))
+    earlier.set(keys.membership(job), b"an earlier launch's membership")
+    args = [*SHAPE, "--train-iters", "4", "--deadpool-store", "etcd",
+            "--deadpool-etcd-endpoints", etcd_url]  # fmt: skip
+    result = run_job(tmp_path, 4, args, launcher=["--job-id", job])
+    assert result.returncode == 2, result.failure()
+    assert f"job id '{job}' already has keys in the store at {etcd_url}" in result.output
+    assert f"etcdctl del --prefix deadpool/{job}/" in result.output
+    assert "worker" not in result.output and "Traceback" not in result.output  # none started
+    assert result.losses == {}
 
 
 def test_slow_phases_are_suspected_never_fenced_and_join_a_recovery(tmp_path, baseline):

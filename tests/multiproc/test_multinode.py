@@ -19,6 +19,7 @@ from nodes import result, start_nodes
 from slurm_cluster import start_cluster
 
 from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
+from deadpool_megatron.control import keys
 from deadpool_megatron.events import read_events
 from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT, run_job
@@ -122,6 +123,59 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
     assert re.search(r"replica 4->2, parameters \d->3, replica 5->3", logs), logs[-4000:]
     assert done["total_s"] > 0
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in victims)
+
+
+def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
+    tmp_path, slurm, baseline
+):
+    # Megatron-LM's requeue pattern under Slurm with etcd, which outlives launches: the job
+    # stops at --exit-interval 7 and is requeued under the same SLURM_JOB_ID; the second launch
+    # gets a job id of its own, loads iteration 7 and trains to 14. Together: the
+    # uninterrupted run, bitwise. Each launch's last agent deletes its keys from etcd.
+    etcd = start_etcd_cluster(tmp_path, 1)
+    run_dir = tmp_path / "run"
+    metrics = tmp_path / "metrics.jsonl"
+    ckpt = str(tmp_path / "ckpt")
+    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="0", DEADPOOL_GPU="0",
+               PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
+               MASTER_PORT=str(free_port()), TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
+    try:
+        submit = slurm.run(
+            *(["env", *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF")]),
+            "sbatch", "--parsable", "--requeue", "--constraint=", "--gpus-per-node=0",
+            "--nodes=3", f"--output={tmp_path}/batch.out",
+            str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"), *SHAPE,
+            "--save", ckpt, "--load", ckpt, "--exit-interval", "7", "--deadpool-store", "etcd",
+            "--deadpool-etcd-endpoints", etcd.endpoints, "--metrics-jsonl", str(metrics),
+        )  # fmt: skip
+        assert submit.returncode == 0, submit.stderr
+        job = submit.stdout.strip().split(";")[0]
+        first = slurm.wait_job(job, 300)
+        out = (tmp_path / "batch.out").read_text()
+        assert first == "COMPLETED", out + _logs(run_dir)
+        assert sorted(read_metrics(str(metrics))[0]) == list(range(1, 8))
+        for cmd in (("requeue", job), ("update", f"JobId={job}", "StartTime=now")):
+            done = slurm.run("scontrol", *cmd)
+            assert done.returncode == 0, done.stderr
+        second = slurm.wait_job(job, 300)
+        out = (tmp_path / "batch.out").read_text()
+        assert second == "COMPLETED", out + _logs(run_dir)
+        left = {p: etcd.count(p) for launch in (f"slurm-{job}", f"slurm-{job}-requeue1")
+                for p in (keys.job_prefix(launch), keys.process_groups_prefix(launch))}  # fmt: skip
+    finally:
+        etcd.stop()
+    assert f"(slurm-{job}) finished" in out and f"(slurm-{job}-requeue1) finished" in out, out
+    assert "loaded checkpoint of iteration 7" in (run_dir / "node-0.requeue1.log").read_text()
+    losses, final = read_metrics(str(metrics))
+    assert losses == baseline.losses
+    assert final["state_digest"] == baseline.digest
+    assert set(left.values()) == {0}, left
+
+
+def _logs(run_dir) -> str:
+    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))[
+        -6000:
+    ]
 
 
 def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node(
