@@ -24,7 +24,8 @@ Writes JSON and a PNG; the last line printed is one JSON object: {"recovery_s": 
 over the recovery, which oversubscription does not inflate), "recovery_cpu_busiest_rank"
 (which process that was), "cpu_growth_8_to_32",
 "cpu_bound_s" (every rank's CPU over the recovery divided by --cores: the shortest it could
-take here), "recovery_over_cpu_bound", "cpu_bound_growth_8_to_32",
+take here), "recovery_over_cpu_bound", "cpu_bound_growth_8_to_32", "phase_cpu_s_mean" (each
+phase's CPU seconds per process), "phase_cpu_growth_8_to_32",
 "phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt",
 "recovery_s_gloo", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
@@ -139,6 +140,7 @@ def job(
         out["cpu_s_max"] = done_ev.get("cpu_s_max")  # the busiest process's CPU seconds
         out["cpu_s_mean"] = done_ev.get("cpu_s_mean")
         out["cpu_s_busiest_rank"] = done_ev.get("cpu_s_busiest_rank")
+        out["phase_cpu_s_mean"] = done_ev.get("phase_cpu_s_mean")  # per process, by phase
         out["victim"] = victim
         # how far apart the ranks resumed (the first iteration is counted from the last)
         out["resume_skew_s"] = phases.get("resume_skew")
@@ -227,6 +229,10 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         f"cpu_bound_growth_{lo}_to_{hi}": round(bound[hi] / bound[lo], 3)
         if lo in bound and hi in bound
         else None,
+        # What each phase costs one process (CPU seconds, the mean over ranks): the part of
+        # the recovery's work per process that grows with the job, phase by phase.
+        "phase_cpu_s_mean": {str(n): runs[n].get("phase_cpu_s_mean") for n in counts},
+        f"phase_cpu_growth_{lo}_to_{hi}": _phase_growth(runs, lo, hi),
         "phase_slope_ms_per_process": slopes,
         "recovery_fit": {
             "intercept_s": round(intercept, 4),
@@ -249,6 +255,14 @@ def cpu_bound(runs: dict[int, dict], counts: list[int], cores: int) -> dict[int,
     """The shortest wall time the recovery's CPU allows on `cores`: every rank's CPU seconds
     over it (mean x ranks) divided by the cores, by process count (where the mean is known)."""
     return {n: runs[n]["cpu_s_mean"] * n / cores for n in counts if runs[n].get("cpu_s_mean")}
+
+
+def _phase_growth(runs: dict[int, dict], lo: int, hi: int) -> dict[str, float] | None:
+    """Each phase's CPU per process at `hi` processes over that at `lo`."""
+    a, b = runs[lo].get("phase_cpu_s_mean"), runs[hi].get("phase_cpu_s_mean")
+    if not a or not b:
+        return None
+    return {k: round(b[k] / a[k], 3) for k in a if k in b and a[k] > 0}
 
 
 def _variant(runs: dict[int, dict], counts: list[int], key: str, name: str) -> dict:
@@ -331,7 +345,8 @@ def main(argv=None) -> int:
         print(f"{n:>3} processes: recovery {failed['recovery_s']:.2f} s ("
               + ", ".join(f"{k} {ph[k]:.2f}" for k in PHASES)
               + f"; ranks resumed {failed['resume_skew_s'] or 0:.2f} s apart"
-              + f"), CPU {failed['cpu_s_max']} s in the busiest process ({who})"
+              + f"), CPU {failed['cpu_s_max']} s in the busiest process ({who}), per process "
+              + ", ".join(f"{k} {v:.3f}" for k, v in (failed["phase_cpu_s_mean"] or {}).items())
               + f", iteration {failed['iteration_s']:.3f} s, bitwise equal to the twin: "
               f"{failed.get('bitwise_equal')}, job {failed['wall_s']:.0f} s", flush=True)  # fmt: skip
     summary = summarize(a, runs)

@@ -359,6 +359,7 @@ class Recovered(Record):
     bytes_moved: int
     groups_checked: int | None = None
     cpu_s: float | None = None  # this process's CPU (all threads) from failure to resumed
+    phase_cpu_s: dict[str, float] | None = None  # that CPU by phase (before_rebuild, ...)
 
 
 # -- nodes and their agents --------------------------------------------------------------------

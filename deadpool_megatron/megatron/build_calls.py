@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import gloo_ops
-from .groups import WORLD, group_roles
+from .groups import WORLD, group_roles, named_groups
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def unreplayable(calls: list[Call] | None) -> str | None:
 def replay(calls: list[Call]) -> int:
     """Perform `calls` again on this generation's groups, with zero tensors and the recorded
     objects; returns how many. The results are dropped."""
-    groups = {role: group for role, group in group_roles().values()}
+    groups = named_groups()
     module = _modules()[-1]  # the interruptible view on a CPU job
     for call in calls:
         arguments = {k: _thaw(v) for k, v in call.arguments.items()}

@@ -25,22 +25,36 @@ def live_groups() -> list[object]:
     return list(dist.distributed_c10d._world.pg_map)
 
 
-def group_roles() -> dict[int, tuple[str, dist.ProcessGroup]]:
-    """id of every process group megatron-core and torch hold now -> (its role, the group).
-
-    Taken before a generation's groups are torn down (the caller keeps the groups, so their
-    ids stay unique), and again after the new ones are built."""
+def named_groups() -> dict[str, dist.ProcessGroup]:
+    """Every role megatron-core and torch hold a process group for now -> that group. Several
+    roles may share one group (`parallel.one_group_per_rank_list`): each keeps its name."""
     from megatron.core import parallel_state
 
-    roles: dict[int, tuple[str, dist.ProcessGroup]] = {}
+    named: dict[str, dist.ProcessGroup] = {}
     for name, value in sorted(vars(parallel_state).items()):
         values = value if isinstance(value, (list, tuple)) else [value]
         for i, group in enumerate(values):
             if isinstance(group, dist.ProcessGroup):
-                role = name if values is not value else f"{name}[{i}]"
-                roles.setdefault(id(group), (role, group))
+                named[name if values is not value else f"{name}[{i}]"] = group
     if dist.is_initialized():
-        roles[id(dist.group.WORLD)] = (WORLD, dist.group.WORLD)
+        named[WORLD] = dist.group.WORLD
+    return named
+
+
+def group_roles() -> dict[int, tuple[str, dist.ProcessGroup]]:
+    """id of every process group megatron-core and torch hold now -> (a role, the group): the
+    default group's is WORLD, a group shared by several roles has the first of their names.
+
+    Taken before a generation's groups are torn down (the caller keeps the groups, so their
+    ids stay unique), and again after the new ones are built. A role found here names, in the
+    next generation, the group of the same ranks (`named_groups`)."""
+    roles: dict[int, tuple[str, dist.ProcessGroup]] = {}
+    named = named_groups()
+    world = named.pop(WORLD, None)
+    for role, group in named.items():
+        roles.setdefault(id(group), (role, group))
+    if world is not None:
+        roles[id(world)] = (WORLD, world)
     return roles
 
 

@@ -6,6 +6,7 @@ prefix: every group this job uses is created here.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import logging
@@ -19,9 +20,13 @@ from megatron.core import parallel_state, tensor_parallel
 
 from ..config import JobConfig
 from ..topology import Topology
-from . import cpu_backend
+from . import cpu_backend, groups
 
 log = logging.getLogger(__name__)
+
+# "1": every megatron-core role gets a gloo group of its own, as megatron-core makes them
+# (one_group_per_rank_list off), for a megatron-core that tells its groups apart by identity.
+ENV_GROUP_PER_ROLE = "DEADPOOL_GROUP_PER_ROLE"
 
 
 def connect_store(
@@ -79,18 +84,72 @@ def _init(
     vp = None
     if vp_layers is not None:
         vp = cfg.model.num_layers // (cfg.parallel.pipeline_model_parallel_size * vp_layers)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vp,
-        distributed_timeout_minutes=int(max(1, cfg.system.distributed_timeout_minutes)),
-        **supported_kwargs(
-            parallel_state.initialize_model_parallel, create_gloo_process_groups=gloo_twins()
-        ),
-    )
+    share = backend == "gloo" and os.environ.get(ENV_GROUP_PER_ROLE) != "1"
+    with one_group_per_rank_list(timeout, enabled=share):
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
+            pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=vp,
+            distributed_timeout_minutes=int(max(1, cfg.system.distributed_timeout_minutes)),
+            **supported_kwargs(
+                parallel_state.initialize_model_parallel, create_gloo_process_groups=gloo_twins()
+            ),
+        )
+    if backend != "fake":
+        named = groups.named_groups()
+        world = named.pop(groups.WORLD)
+        mine = {id(g) for g in named.values() if g is not world and dist.get_rank(g) >= 0}
+        log.info("process groups: %d roles in %d group(s) besides the default one%s",
+                 len(named), len(mine), "" if share else f" ({ENV_GROUP_PER_ROLE}=1)")  # fmt: skip
     if not on_gpu:
         cpu_backend.patch_loaded_modules()
     set_random_seed(cfg.training.seed)
+
+
+@contextlib.contextmanager
+def one_group_per_rank_list(world_timeout: datetime.timedelta, enabled: bool = True):
+    """While megatron-core creates its groups: one gloo group for every list of ranks, handed
+    to each role that asks for the same list (and the default group for a list of every rank).
+
+    megatron-core creates a group per role, and in a job without tensor, context or expert
+    parallelism many roles have the same ranks: at TP1 x PP2 x DP16 a process is in 17 groups
+    of 4 distinct rank lists (data-parallel, with and without context parallelism, tensor-and-
+    data-parallel both ways and expert data-parallel are one list; seven groups of one; four of
+    its pipeline pair) and one of every rank: 110 gloo connections and 34 worker threads
+    beside the default group's 31 connections, made again by every recovery. Shared, it is
+    16 connections. A gloo group runs its operations in the order they are issued, which is
+    program order on every member of an SPMD job, so roles that share one keep their order.
+    Groups with options of their own (NCCL's), another backend or another timeout are made as
+    asked (`world_timeout`: the default group's); roles that share a group each keep their
+    name for a rebind (`groups.named_groups`)."""
+    if not enabled:
+        yield
+        return
+    new_group = dist.new_group
+    world = dist.group.WORLD
+    everyone = tuple(range(dist.get_world_size()))
+    made: dict[tuple, object] = {}
+
+    def shared(ranks=None, timeout=None, backend=None, pg_options=None, **rest):
+        if ranks is None or pg_options is not None or backend not in (None, "gloo"):
+            return new_group(ranks=ranks, timeout=timeout, backend=backend,
+                             pg_options=pg_options, **rest)  # fmt: skip
+        key = (tuple(ranks), timeout, rest.get("use_local_synchronization", False))
+        if key[0] == everyone and timeout == world_timeout:
+            return world
+        if key not in made:
+            made[key] = new_group(ranks=ranks, timeout=timeout, backend=backend, **rest)
+        return made[key]
+
+    # megatron-core may see torch.distributed through a view of it (cpu_backend): both.
+    modules = {id(m): m for m in (dist, parallel_state.torch.distributed)}.values()
+    for module in modules:
+        module.new_group = shared
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.new_group = new_group
 
 
 def share_gloo_device() -> None:

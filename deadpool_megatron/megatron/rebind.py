@@ -22,7 +22,7 @@ import logging
 import torch.distributed as dist
 
 from ..errors import DeadpoolError
-from .groups import group_roles, walk
+from .groups import named_groups, walk
 from .model import TrainState
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def rebind(state: TrainState, old: dict[int, tuple[str, dist.ProcessGroup]]) -> 
     """Replace, in `state`, every reference to a group in `old` (roles from before the
     teardown) with the new generation's group of the same role; returns how many references
     were replaced. Raises CannotRebind, before changing anything, if one cannot be."""
-    new = {role: group for role, group in group_roles().values()}
+    new = named_groups()
     current = {id(g) for g in new.values()}
     swaps, problems = [], []
     for path, group, setter in walk({"state": state}):

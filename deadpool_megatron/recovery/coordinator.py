@@ -73,6 +73,16 @@ def rank_phases(records: list[Recovered]) -> dict[str, float]:
     return phases
 
 
+def phase_cpu(records: list[Recovered]) -> dict[str, float]:
+    """Each phase's CPU seconds per process, the mean over the ranks that timed it: what the
+    phase costs one process, which more processes on the same cores do not inflate."""
+    spent: dict[str, list[float]] = {}
+    for r in records:
+        for name, seconds in (r.phase_cpu_s or {}).items():
+            spent.setdefault(name, []).append(seconds)
+    return {name: round(sum(v) / len(v), 4) for name, v in spent.items()}
+
+
 @dataclass
 class Recovery:
     """One recovery the launcher ordered and is waiting to see finished."""
@@ -260,6 +270,9 @@ class Coordinator:
             summary["cpu_s_max"] = round(cpu[busiest], 4)
             summary["cpu_s_busiest_rank"] = busiest
             summary["cpu_s_mean"] = round(sum(cpu.values()) / len(cpu), 4)
+        by_phase = phase_cpu(records)
+        if by_phase:
+            summary["phase_cpu_s_mean"] = by_phase
         checked = [r.groups_checked for r in records]
         if all(c is not None for c in checked):  # --deadpool-verify-groups
             summary["groups_checked_min"] = min(checked)

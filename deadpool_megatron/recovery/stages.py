@@ -183,6 +183,23 @@ class Rebuilt:
     phases: dict[str, float]
     old_groups: list  # held while verifying: their ids stay unique
     host: dist.ProcessGroup  # parallel.host_group(): restore and verify move host memory on it
+    phase_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of each phase
+
+
+class Lap:
+    """Wall and CPU seconds (this process, every thread) of one phase after another: what a
+    phase costs, apart from how long it waited for cores or for its peers."""
+
+    def __init__(self, cpu_clock: Callable[[], float]):
+        self._cpu_clock = cpu_clock
+        self._wall, self._cpu = time.perf_counter(), cpu_clock()
+
+    def record(self, phases: dict[str, float], phase_cpu: dict[str, float], name: str) -> None:
+        """Phase `name` ends now (its wall and CPU seconds go into the two); the next starts."""
+        wall, cpu = time.perf_counter(), self._cpu_clock()
+        phases[name] = wall - self._wall
+        phase_cpu[name] = cpu - self._cpu
+        self._wall, self._cpu = wall, cpu
 
 
 MakeTrainer = Callable[[TrainState, bool], Trainer]
@@ -227,6 +244,7 @@ class ProcessRecovery:
         self._sleep = sleep
         self._cpu_clock = cpu_clock  # this process's CPU seconds, every thread
         self._cpu_at = 0.0  # the CPU clock when the recovery under way began
+        self._cpu_before_rebuild: float | None = None  # its CPU from then to the rebuild
         self.topology = Topology(
             env.world_size,
             cfg.parallel.tensor_model_parallel_size,
@@ -325,6 +343,7 @@ class ProcessRecovery:
         self.progress.mark(iteration, "recovery")
         self.active = True
         self._cpu_at = self._cpu_clock()
+        self._cpu_before_rebuild = None  # stopping, reporting, the plan: set by rebuild()
 
     def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         """Stages 5-7 once the generation's groups, model and optimizer are built. Restore
@@ -399,7 +418,8 @@ class ProcessRecovery:
     def rebuild(
         self, plan: RecoveryPlan, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
     ) -> Rebuilt:
-        t = time.perf_counter()
+        self._cpu_before_rebuild = self._cpu_clock() - self._cpu_at
+        lap = Lap(self._cpu_clock)
         old_groups = self.reset_communicators(plan)
         prebuilt = self._adopt_prebuilt(plan)
         on_gpu = parallel.init_distributed(
@@ -407,8 +427,9 @@ class ProcessRecovery:
             prefix=self.ctx.store_prefix(plan.generation),
         )  # fmt: skip
         host = parallel.host_group()  # with the other groups: before any fault can strike
-        phases = {"rebuild_communicators": time.perf_counter() - t}
-        t = time.perf_counter()
+        phases: dict[str, float] = {}
+        phase_cpu: dict[str, float] = {}
+        lap.record(phases, phase_cpu, "rebuild_communicators")
         state = self._rebound(anyone_builds(plan, self.keep_model), host, prebuilt)
         if state is None:
             # the restore overwrites weights and optimizer state entirely: neither is drawn
@@ -417,9 +438,9 @@ class ProcessRecovery:
         self.models.track(plan.generation, state.model[0])
         if trainer is None:
             trainer = make_trainer(state, on_gpu)
-        phases["rebuild_model"] = time.perf_counter() - t
+        lap.record(phases, phase_cpu, "rebuild_model")
         self.inject_recovery_fault()
-        return Rebuilt(trainer, state, on_gpu, phases, old_groups, host)
+        return Rebuilt(trainer, state, on_gpu, phases, old_groups, host, phase_cpu)
 
     def _adopt_prebuilt(self, plan: RecoveryPlan) -> bool:
         """A claimed spare: keep the state it built while idle, as a survivor keeps its own,
@@ -492,7 +513,7 @@ class ProcessRecovery:
 
     # -- 5. restore --------------------------------------------------------------------------
     def restore(self, rebuilt: Rebuilt, plan: RecoveryPlan, group: dist.ProcessGroup) -> int:
-        t = time.perf_counter()
+        lap = Lap(self._cpu_clock)
         state = rebuilt.state
         rank_state = RankState(state.model, state.optimizer, state.scheduler)
         me = self.env.rank
@@ -548,7 +569,7 @@ class ProcessRecovery:
         if me not in plan.local_restores:
             (optimizer_part, meta), (params_part, _) = parts["replica"], parts["parameters"]
             restored = restore_from_parts(rank_state, optimizer_part, meta, params_part, expected)
-        rebuilt.phases["transfer_state"] = time.perf_counter() - t
+        lap.record(rebuilt.phases, rebuilt.phase_cpu, "transfer_state")
         return restored
 
     # -- 6. verify ---------------------------------------------------------------------------
@@ -556,7 +577,7 @@ class ProcessRecovery:
         self, plan: RecoveryPlan, restored: int, rebuilt: Rebuilt, group: dist.ProcessGroup
     ) -> None:
         """Every rank checks the same facts about everyone before anyone resumes."""
-        t = time.perf_counter()
+        lap = Lap(self._cpu_clock)
         check_plan(plan, self.topology)
         view = int.from_bytes(hashlib.sha1(plan.membership.encode()).digest()[:8], "little",
                               signed=True)  # fmt: skip
@@ -577,16 +598,16 @@ class ProcessRecovery:
                 f"generation {plan.generation} does not hold at iteration {plan.iteration}: "
                 + "; ".join(problems)
             )
-        rebuilt.phases["verify"] = time.perf_counter() - t
+        lap.record(rebuilt.phases, rebuilt.phase_cpu, "verify")
 
     # -- 7. resume ---------------------------------------------------------------------------
     def resume(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
-        t = time.perf_counter()
+        lap = Lap(self._cpu_clock)
         reuse = dataclasses.replace(self.held.offer(plan.iteration), arena=self._reserve)
         self._reserve = None  # carved into this pipeline's pairs: theirs from now on
         pipeline = self.protect(rebuilt.state, rebuilt.on_gpu, plan.generation, reuse)
         pipeline.after_step(plan.iteration)  # the new generation protects itself
-        rebuilt.phases["rebuild_pipeline"] = time.perf_counter() - t
+        lap.record(rebuilt.phases, rebuilt.phase_cpu, "rebuild_pipeline")
         rebuilt.trainer.attach(rebuilt.state, plan.iteration, pipeline)
         checked = None
         if self.cfg.deadpool.deadpool_verify_groups:
@@ -607,7 +628,10 @@ class ProcessRecovery:
         self.ctx.advance(plan.generation)
         self.active = False
         phases = rebuilt.phases
-        self._account = {"phases": phases, "restored_at": time.time(), "groups": checked}
+        before = self._cpu_before_rebuild
+        cpu = {**({} if before is None else {"before_rebuild": before}), **rebuilt.phase_cpu}
+        self._account = {"phases": phases, "restored_at": time.time(), "groups": checked,
+                         "cpu": cpu, "cpu_at": self._cpu_clock()}  # fmt: skip
         log.info(
             "generation %d: rolled back to iteration %d (%s), resuming",
             plan.generation, plan.iteration,
@@ -664,9 +688,14 @@ class ProcessRecovery:
             phases["first_iteration"] = now - self._account["restored_at"]
             # CPU seconds apart from wall time: on a machine with fewer cores than processes,
             # wall time grows with the job for want of cores; CPU per process does not.
-            cpu_s = self._cpu_clock() - self._cpu_at
+            cpu_now = self._cpu_clock()
+            cpu_s = cpu_now - self._cpu_at
+            phase_cpu = {
+                **self._account["cpu"],
+                "first_iteration": cpu_now - self._account["cpu_at"],
+            }
             record = Recovered(phases, now, trainer.iteration, self.bytes_moved,
-                               self._account["groups"], cpu_s)  # fmt: skip
+                               self._account["groups"], cpu_s, phase_cpu)  # fmt: skip
             self.ctx.put(keys.recovered(self.ctx.job, self.ctx.generation, self.env.rank), record)
             self._account = None
             self.bytes_moved = 0

@@ -2,11 +2,14 @@
 the state through a teardown, builds generation 1's groups, rebinds the state to them and
 replays its build's collectives on them; prints what it found as JSON. With `unknown`, the
 state also holds a group megatron-core does not know (no role): the rebind must refuse and
-leave the state as it was."""
+leave the state as it was. Every role has a group of its own (DEADPOOL_GROUP_PER_ROLE=1: in
+a world of one every role's ranks are [0]), or with `shared`, as a job has them by default:
+every role then has the default group."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch.distributed as dist
@@ -15,12 +18,14 @@ from megatron.core import parallel_state
 from deadpool_megatron.megatron import parallel
 from deadpool_megatron.megatron.arguments import parse_job_args
 from deadpool_megatron.megatron.build_calls import recording, replay, unreplayable
-from deadpool_megatron.megatron.groups import group_roles, live_groups, stale_groups
+from deadpool_megatron.megatron.groups import group_roles, live_groups, named_groups, stale_groups
 from deadpool_megatron.megatron.model import build_train_state, rehook, unhook
 from deadpool_megatron.megatron.rebind import CannotRebind, rebind
 
 
-def main(unknown: bool) -> dict:
+def main(unknown: bool, shared: bool) -> dict:
+    if not shared:
+        os.environ[parallel.ENV_GROUP_PER_ROLE] = "1"
     cfg = parse_job_args(["--config", "configs/demo.yaml", "--tensor-model-parallel-size", "1",
                           "--pipeline-model-parallel-size", "1"], 1)  # fmt: skip
     store = dist.HashStore()
@@ -45,6 +50,7 @@ def main(unknown: bool) -> dict:
         out["refused"] = str(why)
     rehook(state, hooks)
     out["reachable"], out["stale"] = stale_groups(old, state)
+    out["distinct_groups"] = len({id(g) for g in named_groups().values()})
     out["layer_group_is_new"] = layer.tp_group is parallel_state.get_tensor_model_parallel_group()
     out["layer_group_unchanged"] = layer.tp_group is before
     out["hooks"] = sum(map(len, state.hook_tables))
@@ -58,4 +64,4 @@ def main(unknown: bool) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:] == ["unknown"])))
+    print(json.dumps(main("unknown" in sys.argv[1:], "shared" in sys.argv[1:])))

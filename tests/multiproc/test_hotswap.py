@@ -243,7 +243,9 @@ def test_tp_rank_swap_on_the_demo_shape_leaves_no_stale_group(tmp_path, baseline
     _assert_same_run(result, baseline_3d)
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"3": "spare-0"}
-    assert done["groups_checked_min"] > 10  # the walk reached model, DDP, optimizer, ring
+    # the walk reached model, DDP and optimizer: every rank's 36 megatron-core roles share
+    # 6 or 7 groups besides the default one (parallel.one_group_per_rank_list)
+    assert done["groups_checked_min"] >= 7
     assert "none from before" in result.output
 
 

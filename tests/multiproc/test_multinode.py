@@ -294,10 +294,15 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
         nodes.wait_for_iteration(target, 120)
         nodes.kill_node(0)
         rcs = nodes.wait(400)
+        job_id = tmp_path.name
+        left = [
+            etcd.count(p) for p in (keys.job_prefix(job_id), keys.process_groups_prefix(job_id))
+        ]
     finally:
         nodes.stop()
         etcd.stop()
     assert rcs[1:] == [0, 0, 0], result(nodes).failure()
+    assert left == [0, 0]  # the last agent to leave (node 0's is lost) deleted the job's keys
     job = result(nodes, 1)
     assert job.losses == baseline_long.losses and job.digest == baseline_long.digest
     events = read_events(str(log))

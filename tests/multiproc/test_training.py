@@ -6,8 +6,11 @@ every rank's parameters and optimizer state) with another run of the same config
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from deadpool_megatron.megatron.parallel import ENV_GROUP_PER_ROLE
 from jobs import ROOT, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
@@ -26,8 +29,11 @@ def _loss(result, iteration: int) -> float:
 
 @pytest.fixture(scope="module")
 def runs_3d(tmp_path_factory):
+    # The second run gives every megatron-core role a gloo group of its own, as megatron-core
+    # makes them; the first shares one among the roles of one rank list (the default).
     tmp = tmp_path_factory.mktemp("3d")
-    return [run_job(tmp, 8, SHAPE_3D, spares=1, name=f"run{i}") for i in range(2)]
+    return [run_job(tmp, 8, SHAPE_3D, spares=1, name=f"run{i}",
+                    env={ENV_GROUP_PER_ROLE: str(i)}) for i in range(2)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,17 @@ def test_3d_parallel_runs_are_bitwise_identical_and_learn(runs_3d):
     assert a.digest is not None and a.digest == b.digest
     assert _loss(a, 20) < _loss(a, 1) - 1.0, (_loss(a, 1), _loss(a, 20))
     assert "iteration       20/      20" in a.output  # Megatron-style progress lines
+
+
+def test_roles_of_one_rank_list_share_a_group_and_train_bitwise_as_with_a_group_each(runs_3d):
+    shared, own = runs_3d
+    assert shared.losses == own.losses and shared.digest == own.digest
+    # Rank 0 at TP2 x PP2 x DP2: megatron-core's 36 roles, in 17 groups made as it makes them,
+    # or 7 shared (and the one of every rank is the default group).
+    said = "INFO deadpool_megatron.megatron.parallel: process groups: 36 roles in {} group(s)"
+    assert re.search(r"\[worker 0\] \S+ " + re.escape(said.format(7)), shared.output)
+    assert re.search(r"\[worker 0\] \S+ " + re.escape(said.format(17)), own.output)
+    assert f"({ENV_GROUP_PER_ROLE}=1)" in own.output and ENV_GROUP_PER_ROLE not in shared.output
 
 
 def test_spare_registers_idles_and_exits_when_the_job_ends(runs_3d):

@@ -210,12 +210,17 @@ def test_a_finished_recovery_is_accounted_once_every_rank_ran_its_first_iteratio
     for r in range(4):
         assert coord.poll_done() is None
         phases = {"rebuild_communicators": 0.1 * (r + 1), "first_iteration": 0.2}
-        record = Recovered(phases, clock.t + 1.0 + r, 5, 1000 if r == 3 else 0, cpu_s=0.5 + r)
+        cpu = {"rebuild_communicators": 0.02 * (r + 1)} | ({"before_rebuild": 0.3} if r else {})
+        record = Recovered(phases, clock.t + 1.0 + r, 5, 1000 if r == 3 else 0, cpu_s=0.5 + r,
+                           phase_cpu_s=cpu)  # fmt: skip
         kv.set(keys.recovered(JOB, 1, r), record.encode())
     summary = coord.poll_done()
     assert summary["total_s"] == pytest.approx(0.5 + 1.0 + 3)
     assert summary["cpu_s_max"] == 3.5 and summary["cpu_s_mean"] == 2.0  # per process
     assert summary["cpu_s_busiest_rank"] == 3
+    # each phase's CPU per process: the mean over the ranks that timed it (the spare, rank 0
+    # here, joined at the rebuild)
+    assert summary["phase_cpu_s_mean"] == {"rebuild_communicators": 0.05, "before_rebuild": 0.3}
     assert summary["bytes_moved"] == 1000 and summary["replaced"] == {"3": "spare-0"}
     assert coord.pending is None and coord.poll_done() is None
     events = read_events(str(tmp_path / "ev.jsonl"))

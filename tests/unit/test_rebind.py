@@ -37,6 +37,16 @@ def test_every_old_group_a_real_gpt_state_holds_is_swapped_for_the_new_one(run_d
     assert out["unreplayable"] is None and out["replayed"] == len(calls)
 
 
+def test_roles_sharing_one_group_are_each_swapped_for_the_new_generations(run_drivers):
+    # As a job has its groups by default: every role whose ranks are the same list shares one
+    # group; in a world of one, that is the default group for every role.
+    out = _run(run_drivers, "shared")
+    assert out["roles"] == ["WORLD"] and out["distinct_groups"] == 1
+    assert out["swapped"] > 10 and out["stale"] == []
+    assert out["layer_group_is_new"] and not out["layer_group_unchanged"]
+    assert out["unreplayable"] is None and out["replayed"] == len(out["build_calls"]) > 0
+
+
 def test_a_group_with_no_role_refuses_the_rebind_and_changes_nothing(run_drivers):
     out = _run(run_drivers, "unknown")
     assert "stray_group" in out["refused"] and "swapped" not in out

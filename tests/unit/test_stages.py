@@ -27,6 +27,7 @@ from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.process.watcher import OrderWatcher
 from deadpool_megatron.recovery.stages import (
+    Lap,
     ProcessRecovery,
     RecoveryFailed,
     RecoveryOrdered,
@@ -185,7 +186,8 @@ class Scripted(ProcessRecovery):
     def complete(self, plan, rebuilt):
         self.ctx.advance(plan.generation)
         self.active = False
-        self._account = {"phases": {"verify": 0.1}, "restored_at": 0.0, "groups": None}
+        self._account = {"phases": {"verify": 0.1}, "restored_at": 0.0, "groups": None,
+                         "cpu": {"verify": 0.25}, "cpu_at": 11.0}  # fmt: skip
 
 
 def test_a_failed_attempt_waits_for_a_newer_order_and_never_reuses_its_generation(kv):
@@ -228,6 +230,19 @@ def test_the_account_of_a_recovery_carries_its_cpu_seconds_from_the_failure_on(k
     recovery.after_iteration(FakeTrainer())
     record = Recovered.decode(kv.get(keys.recovered(JOB, 1, 1)))
     assert record.cpu_s == 2.5 and record.phases["verify"] == 0.1
+    # by phase: what the phases before it spent, and the first iteration from its resume
+    # (the CPU clock read 11.0 there)
+    assert record.phase_cpu_s == {"verify": 0.25, "first_iteration": 1.5}
+
+
+def test_a_lap_times_each_phase_in_cpu_seconds_apart_from_wall_time():
+    cpu = iter([1.0, 1.25, 3.0])
+    lap = Lap(lambda: next(cpu))
+    phases, phase_cpu = {}, {}
+    lap.record(phases, phase_cpu, "rebuild_communicators")
+    lap.record(phases, phase_cpu, "rebuild_model")  # counted from the previous phase's end
+    assert phase_cpu == {"rebuild_communicators": 0.25, "rebuild_model": 1.75}
+    assert set(phases) == set(phase_cpu) and all(s >= 0 for s in phases.values())
 
 
 class _Group:
