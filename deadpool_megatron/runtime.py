@@ -27,6 +27,9 @@ ENV_SPARES = "DEADPOOL_SPARES"
 ENV_FAULT_SCOPE = "DEADPOOL_FAULT_SCOPE"
 # The shared-memory record where the process marks its progress (failure/progress.py).
 ENV_PROGRESS_FILE = "DEADPOOL_PROGRESS_FILE"
+# "1": every megatron-core role gets a gloo group of its own, as megatron-core makes them
+# (parallel.one_group_per_rank_list off), for a megatron-core that tells groups apart by identity.
+ENV_GROUP_PER_ROLE = "DEADPOOL_GROUP_PER_ROLE"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ optimizer and only swap their process groups (--no-keep-model-run skips it; a ru
 fails is recorded, not fatal), and once more with the spare's model also built while it was
 idle (--deadpool-spare-prebuild: nobody builds during the recovery; --no-prebuilt-run skips
 it), and once with the ring's replicas over gloo groups instead of TCP connections
-(--deadpool-transport gloo, the way before 2026-12-03; --no-gloo-run skips it). A
+(--deadpool-transport gloo, the way before 2026-12-03; --no-gloo-run skips it), and once
+with a gloo group for every megatron-core role (DEADPOOL_GROUP_PER_ROLE=1, the way before
+2026-12-05: roles of one rank list no longer share one; --no-per-role-run skips it). A
 least-squares line per phase (seconds = a + b x processes) says what grows.
 
     python scripts/bench_recovery_scale.py                   # 4, 8, 16, 32 processes
@@ -27,7 +29,7 @@ over the recovery, which oversubscription does not inflate), "recovery_cpu_busie
 take here), "recovery_over_cpu_bound", "cpu_bound_growth_8_to_32", "phase_cpu_s_mean" (each
 phase's CPU seconds per process), "phase_cpu_growth_8_to_32",
 "phase_slope_ms_per_process", "recovery_s_keep_model", "recovery_s_prebuilt",
-"recovery_s_gloo", ...}.
+"recovery_s_gloo", "recovery_s_group_per_role", ...}.
 `python scripts/simulate_job.py --costs bench` reads the JSON to project 512 and 16K GPUs.
 """
 
@@ -49,6 +51,7 @@ from bench_recovery import HOTSWAP_PHASES as PHASES  # noqa: E402 (this folder, 
 from results_path import results_file  # noqa: E402 (this folder, as a script)
 
 from deadpool_megatron.events import read_events  # noqa: E402
+from deadpool_megatron.runtime import ENV_GROUP_PER_ROLE  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip the jobs in which nobody builds (models kept and prebuilt)")  # fmt: skip
     p.add_argument("--no-gloo-run", action="store_true",
                    help="skip the jobs whose replicas go over gloo groups")  # fmt: skip
+    p.add_argument("--no-per-role-run", action="store_true",
+                   help="skip the jobs with a gloo group for every megatron-core role")  # fmt: skip
     p.add_argument(
         "--out", default=str(ROOT / "runs" / "bench_recovery_scale.json"), type=results_file
     )
@@ -95,10 +100,12 @@ def job(
     keep: bool = False,
     prebuilt: bool = False,
     transport: str | None = None,
+    per_role: bool = False,
 ) -> dict:
     """One job of n processes (+1 spare); returns its phases, iteration time and digest.
     With `keep`, survivors keep their model through the recovery; with `prebuilt`, the spare
-    also built every rank's while idle; `transport`: --deadpool-transport (None: default)."""
+    also built every rank's while idle; `transport`: --deadpool-transport (None: default);
+    `per_role`: a gloo group for every megatron-core role."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics, events = workdir / "metrics.jsonl", workdir / "events.jsonl"
     metrics.unlink(missing_ok=True)
@@ -121,7 +128,8 @@ def job(
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(n),
            "--spares", "1", str(ROOT / "pretrain_gpt.py"), *flags]  # fmt: skip
     start = time.time()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    env = {**os.environ, ENV_GROUP_PER_ROLE: "1"} if per_role else None
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600, env=env)
     (workdir / "job.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise SystemExit(f"the {n}-process job failed; see {workdir / 'job.log'}")
@@ -149,23 +157,26 @@ def job(
 
 def keep_model_run(
     a: argparse.Namespace, n: int, work: Path, digest: str | None, prebuilt: bool = False,
-    transport: str | None = None,
+    transport: str | None = None, per_role: bool = False,
 ) -> dict:  # fmt: skip
     """The same failure with --deadpool-keep-model (and with `prebuilt`, the spare's model
     built while idle), or else (`transport`) every process building with the ring's replicas
     over that transport; a job that fails is recorded as such."""
-    if transport:
+    if per_role:
+        what, folder, keep = "a group for every role", "per_role", False
+    elif transport:
         what, folder, keep = f"replicas over {transport}", transport, False
     else:
         what = "nobody building" if prebuilt else "survivors keeping their model"
         folder, keep = ("prebuilt" if prebuilt else "keep"), True
     try:
         kept = job(a, n, work / f"n{n}" / folder, failure=True, keep=keep, prebuilt=prebuilt,
-                   transport=transport)  # fmt: skip
+                   transport=transport, per_role=per_role)  # fmt: skip
     except SystemExit as why:
         print(f"{n:>3} processes, {what}: FAILED ({why})", flush=True)
         return {"failed": str(why)}
-    out = {k: kept[k] for k in ("recovery_s", "phases", "iteration_s")}
+    out = {k: kept[k] for k in ("recovery_s", "phases", "iteration_s", "cpu_s_mean",
+                                "phase_cpu_s_mean")}  # fmt: skip
     out["bitwise_equal"] = kept["digest"] == digest if digest else None
     print(f"{n:>3} processes, {what}: recovery {kept['recovery_s']:.2f} s "
           f"(rebuild_model {kept['phases']['rebuild_model']:.2f}, first_iteration "
@@ -245,6 +256,7 @@ def summarize(a: argparse.Namespace, runs: dict[int, dict]) -> dict:
         **_variant(runs, counts, "keep", "keep_model"),
         **_variant(runs, counts, "prebuilt", "prebuilt"),
         **_variant(runs, counts, "gloo", "gloo"),
+        **_variant(runs, counts, "per_role", "group_per_role"),
         "shape": "TP1xPP2xDP(N/2), 1 spare",
         "hidden_size": a.hidden_size,
         "num_layers": a.num_layers,
@@ -270,6 +282,10 @@ def _variant(runs: dict[int, dict], counts: list[int], key: str, name: str) -> d
     return {
         f"recovery_s_{name}": {
             str(n): runs[n][key].get("recovery_s") for n in counts if key in runs[n]
+        }
+        or None,
+        f"phase_cpu_s_mean_{name}": {
+            str(n): runs[n][key].get("phase_cpu_s_mean") for n in counts if key in runs[n]
         }
         or None,
         f"phases_s_{name}": {
@@ -304,6 +320,7 @@ def plot(summary: dict, path: Path) -> None:
         ("recovery_s_keep_model", "kx--", "--deadpool-keep-model: survivors keep their model"),
         ("recovery_s_prebuilt", "r^:", "... and the spare's model built while idle"),
         ("recovery_s_gloo", "bs-.", "every process builds, replicas over gloo groups"),
+        ("recovery_s_group_per_role", "mv-", "a gloo group for every megatron-core role"),
     ):
         line = {n: s for n, s in (summary.get(key) or {}).items() if s}
         if line:
@@ -339,6 +356,8 @@ def main(argv=None) -> int:
             failed["prebuilt"] = keep_model_run(a, n, work, digest, prebuilt=True)
         if not a.no_gloo_run:
             failed["gloo"] = keep_model_run(a, n, work, digest, transport="gloo")
+        if not a.no_per_role_run:
+            failed["per_role"] = keep_model_run(a, n, work, digest, per_role=True)
         runs[n] = failed
         ph, busiest = failed["phases"], failed["cpu_s_busiest_rank"]
         who = f"rank {busiest}" + (", the spare" if busiest == failed["victim"] else "")

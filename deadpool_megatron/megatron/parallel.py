@@ -19,14 +19,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from ..config import JobConfig
+from ..runtime import ENV_GROUP_PER_ROLE
 from ..topology import Topology
 from . import cpu_backend, groups
 
 log = logging.getLogger(__name__)
-
-# "1": every megatron-core role gets a gloo group of its own, as megatron-core makes them
-# (one_group_per_rank_list off), for a megatron-core that tells its groups apart by identity.
-ENV_GROUP_PER_ROLE = "DEADPOOL_GROUP_PER_ROLE"
 
 
 def connect_store(

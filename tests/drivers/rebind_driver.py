@@ -21,11 +21,12 @@ from deadpool_megatron.megatron.build_calls import recording, replay, unreplayab
 from deadpool_megatron.megatron.groups import group_roles, live_groups, named_groups, stale_groups
 from deadpool_megatron.megatron.model import build_train_state, rehook, unhook
 from deadpool_megatron.megatron.rebind import CannotRebind, rebind
+from deadpool_megatron.runtime import ENV_GROUP_PER_ROLE
 
 
 def main(unknown: bool, shared: bool) -> dict:
     if not shared:
-        os.environ[parallel.ENV_GROUP_PER_ROLE] = "1"
+        os.environ[ENV_GROUP_PER_ROLE] = "1"
     cfg = parse_job_args(["--config", "configs/demo.yaml", "--tensor-model-parallel-size", "1",
                           "--pipeline-model-parallel-size", "1"], 1)  # fmt: skip
     store = dist.HashStore()

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from deadpool_megatron.megatron.parallel import ENV_GROUP_PER_ROLE
+from deadpool_megatron.runtime import ENV_GROUP_PER_ROLE
 from jobs import ROOT, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
