@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--job-id", default=None,
                         help="Job id, the same on every node (default: a random one, agreed "
                         "by the agents through the store; required with several nodes on "
-                        "--deadpool-store etcd).")  # fmt: skip
+                        "--deadpool-store etcd). In etcd, a finished job's keys are deleted; "
+                        "an id whose keys another launch left there is refused.")  # fmt: skip
     parser.add_argument(
         "--restart-policy", choices=("hotswap", "full"), default="hotswap",
         help="What a failure costs. hotswap (default): a job with --deadpool recovers in place "
