@@ -612,6 +612,8 @@ class Agent:
             log.warning("%s; closing the store anyway", err)
 
     def _forget_job(self) -> None:
+        """Delete the job's keys and rendezvous, its checkpoint-restarts' included; a store
+        that cannot be reached keeps them (said once: the job itself has finished)."""
         jobs = [self.fault_scope,
                 *(keys.restarted_job(self.fault_scope, n) for n in range(1, self.restarts + 1))]  # fmt: skip
         removed = 0
