@@ -112,7 +112,7 @@ def one_group_per_rank_list(world_timeout: datetime.timedelta, enabled: bool = T
     parallelism many roles have the same ranks: at TP1 x PP2 x DP16 a process is in 17 groups
     of 4 distinct rank lists (data-parallel, with and without context parallelism, tensor-and-
     data-parallel both ways and expert data-parallel are one list; seven groups of one; four of
-    its pipeline pair; one of every rank in pipeline-major order): 110 gloo connections and 34
+    its pipeline pair; one of every rank, pipeline pair by pair): 110 gloo connections and 34
     worker threads beside the default group's 31 connections, made again by every recovery.
     Shared: 4 groups, 47 connections, 8 threads. A list of every rank in rank order is the
     default group's. A gloo group runs its operations in the order they are issued, which is
