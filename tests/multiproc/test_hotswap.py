@@ -24,6 +24,11 @@ SHAPE_3D = [*DEMO, "--train-iters", "10", "--deadpool", *HEARTBEATS]
 # DP4 on 4 processes: the ring 0 -> 1 -> 2 -> 3 -> 0.
 SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
              "--train-iters", "10", "--deadpool", *HEARTBEATS]  # fmt: skip
+# Ranks 1 and 2 die together: at the optimizer step of iteration 5, which every rank enters
+# within milliseconds of the others (after the gradients' reduce-scatter). At the forward pass
+# a rank can still be finishing the iteration before while its peer dies: it was then told
+# of the first death before it reached its own and died in the replay, a second recovery.
+TOGETHER = "kill@1:5:optimizer,kill@2:5:optimizer"
 # Dropout 0.1 on attention scores (megatron's RNG tracker) and hidden states (torch's generator):
 # a restored rank draws the same masks only if every RNG came back with its state.
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
@@ -403,7 +408,7 @@ def test_spare_dying_during_its_own_recovery_is_replaced_by_the_next(tmp_path, b
 
 def test_adjacent_ring_ranks_lost_together_with_one_replica_is_unrecoverable(tmp_path):
     # Rank 1's optimizer shard lives on rank 1 and its ring successor 2 only: both die.
-    result, events = _run(tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2)
+    result, events = _run(tmp_path, 4, SHAPE_DP4, TOGETHER, spares=2)
     assert result.returncode == 1
     assert "its optimizer shard at iteration" in result.output
     assert "was replicated on ranks [2] only, and [2] failed too (--deadpool-replicas 1)" in (
@@ -416,7 +421,7 @@ def test_adjacent_ring_ranks_lost_together_with_one_replica_is_unrecoverable(tmp
 
 def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, baseline_dp4):
     result, events = _run(
-        tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2, extra=["--deadpool-replicas", "2"]
+        tmp_path, 4, SHAPE_DP4, TOGETHER, spares=2, extra=["--deadpool-replicas", "2"]
     )
     _assert_same_run(result, baseline_dp4)
     (done,) = _assert_recovered(events)
@@ -426,7 +431,7 @@ def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, b
 def test_two_replicas_over_gloo_groups_serve_adjacent_ranks_lost_together(tmp_path, baseline_dp4):
     # --deadpool-transport gloo (the other tests' replicas go over tcp, the default): a gloo
     # group per ring edge, two successors and two predecessors per rank.
-    result, events = _run(tmp_path, 4, SHAPE_DP4, "kill@1:5,kill@2:5", spares=2,
+    result, events = _run(tmp_path, 4, SHAPE_DP4, TOGETHER, spares=2,
                           extra=["--deadpool-replicas", "2", "--deadpool-transport", "gloo"])  # fmt: skip
     _assert_same_run(result, baseline_dp4)
     (done,) = _assert_recovered(events)
