@@ -244,7 +244,6 @@ class ProcessRecovery:
         self._sleep = sleep
         self._cpu_clock = cpu_clock  # this process's CPU seconds, every thread
         self._cpu_at = 0.0  # the CPU clock when the recovery under way began
-        self._cpu_before_rebuild: float | None = None  # its CPU from then to the rebuild
         self.topology = Topology(
             env.world_size,
             cfg.parallel.tensor_model_parallel_size,
@@ -343,7 +342,6 @@ class ProcessRecovery:
         self.progress.mark(iteration, "recovery")
         self.active = True
         self._cpu_at = self._cpu_clock()
-        self._cpu_before_rebuild = None  # stopping, reporting, the plan: set by rebuild()
 
     def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         """Stages 5-7 once the generation's groups, model and optimizer are built. Restore
@@ -418,7 +416,8 @@ class ProcessRecovery:
     def rebuild(
         self, plan: RecoveryPlan, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
     ) -> Rebuilt:
-        self._cpu_before_rebuild = self._cpu_clock() - self._cpu_at
+        # stopping, reporting and waiting for the plan, from the recovery's start on
+        phase_cpu = {"before_rebuild": self._cpu_clock() - self._cpu_at}
         lap = Lap(self._cpu_clock)
         old_groups = self.reset_communicators(plan)
         prebuilt = self._adopt_prebuilt(plan)
@@ -428,7 +427,6 @@ class ProcessRecovery:
         )  # fmt: skip
         host = parallel.host_group()  # with the other groups: before any fault can strike
         phases: dict[str, float] = {}
-        phase_cpu: dict[str, float] = {}
         lap.record(phases, phase_cpu, "rebuild_communicators")
         state = self._rebound(anyone_builds(plan, self.keep_model), host, prebuilt)
         if state is None:
@@ -628,10 +626,8 @@ class ProcessRecovery:
         self.ctx.advance(plan.generation)
         self.active = False
         phases = rebuilt.phases
-        before = self._cpu_before_rebuild
-        cpu = {**({} if before is None else {"before_rebuild": before}), **rebuilt.phase_cpu}
         self._account = {"phases": phases, "restored_at": time.time(), "groups": checked,
-                         "cpu": cpu, "cpu_at": self._cpu_clock()}  # fmt: skip
+                         "cpu": rebuilt.phase_cpu, "cpu_at": self._cpu_clock()}  # fmt: skip
         log.info(
             "generation %d: rolled back to iteration %d (%s), resuming",
             plan.generation, plan.iteration,

@@ -110,7 +110,7 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
         p.kill()
     state = slurm.wait_job(job, 300)
     out = (tmp_path / "batch.out").read_text()
-    logs = "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))
+    logs = _logs(run_dir)
     assert state == "COMPLETED", out + logs[-6000:]
     assert "node(s) 1 lost during the job; it finished on the others" in out
     losses, final = read_metrics(str(metrics))
@@ -152,14 +152,14 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
         job = submit.stdout.strip().split(";")[0]
         first = slurm.wait_job(job, 300)
         out = (tmp_path / "batch.out").read_text()
-        assert first == "COMPLETED", out + _logs(run_dir)
+        assert first == "COMPLETED", out + _logs(run_dir)[-6000:]
         assert sorted(read_metrics(str(metrics))[0]) == list(range(1, 8))
         for cmd in (("requeue", job), ("update", f"JobId={job}", "StartTime=now")):
             done = slurm.run("scontrol", *cmd)
             assert done.returncode == 0, done.stderr
         second = slurm.wait_job(job, 300)
         out = (tmp_path / "batch.out").read_text()
-        assert second == "COMPLETED", out + _logs(run_dir)
+        assert second == "COMPLETED", out + _logs(run_dir)[-6000:]
         left = {p: etcd.count(p) for launch in (f"slurm-{job}", f"slurm-{job}-requeue1")
                 for p in (keys.job_prefix(launch), keys.process_groups_prefix(launch))}  # fmt: skip
     finally:
@@ -173,9 +173,8 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
 
 
 def _logs(run_dir) -> str:
-    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))[
-        -6000:
-    ]
+    """Every node agent's log under the Slurm script's run directory, in node order."""
+    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))
 
 
 def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node(
