@@ -154,9 +154,17 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
         out = (tmp_path / "batch.out").read_text()
         assert first == "COMPLETED", out + _logs(run_dir)[-6000:]
         assert sorted(read_metrics(str(metrics))[0]) == list(range(1, 8))
-        for cmd in (("requeue", job), ("update", f"JobId={job}", "StartTime=now")):
+        # Slurm delays a requeued job by 2 minutes; 5 s is enough here. Not at once: a job
+        # started again in the second its credential was revoked (at its end) is killed.
+        for cmd in (("requeue", job), ("update", f"JobId={job}", "StartTime=now+5")):
             done = slurm.run("scontrol", *cmd)
             assert done.returncode == 0, done.stderr
+        # The job reads COMPLETED for a moment after `scontrol requeue`: wait for the requeued
+        # launch's first line before waiting for the job to end again.
+        deadline = time.monotonic() + 300
+        while f"(slurm-{job}-requeue1):" not in (tmp_path / "batch.out").read_text():
+            assert time.monotonic() < deadline, slurm.run("scontrol", "show", "job", job).stdout
+            time.sleep(0.2)
         second = slurm.wait_job(job, 300)
         out = (tmp_path / "batch.out").read_text()
         assert second == "COMPLETED", out + _logs(run_dir)[-6000:]
