@@ -5,7 +5,8 @@ It checks its own arguments and the script's (a "preflight" run of the script wi
 DEADPOOL_PREFLIGHT=1, which must validate its flags and exit) before starting anything,
 forwards SIGINT/SIGTERM to the agent, and returns the job's exit status: with --deadpool a
 failure is hot-swapped, with --restart-policy full the job restarts from its newest
-checkpoint, and otherwise it ends with one clear line when a worker dies.
+checkpoint, and otherwise it ends with one clear line when a worker dies. A worker that
+refuses its input once running (status 2) ends the job the same way: it is not a failure.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .agent.settings import LaunchSettings, preflight
 from .agent.zygote import ENV_FORK_ZYGOTE
 from .control.signed import ENV_JOB_SECRET, job_secret, new_secret
 from .control.store import StoreUnreachable
-from .errors import ConfigError
+from .errors import ConfigError, LaunchError
 from .logging_setup import setup_logging
 from .runtime import ENV_PREFLIGHT
 
@@ -35,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="The agent of one node: start N workers and S spare processes of SCRIPT "
         "here (a spare node: N spares), host the job's TCPStore (node 0; with "
         "--deadpool-store etcd nobody does), watch them and the other nodes, and hot-swap "
-        "failures. Run one per node.",
+        "failures. Run one per node, each with the same flags: the agents compare theirs "
+        "and the script's before any process starts, and refuse (status 2) a job whose "
+        "nodes differ.",
         epilog="Environment: DEADPOOL_JOB_SECRET signs what the job writes to its store (at "
         "least 16 characters, the same on every node; one node draws its own when unset); "
         "DEADPOOL_ETCD_PASSWORD is the password of --deadpool-etcd-user. Children get "
@@ -187,10 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, agent.on_signal)
     try:
         agent.host_store()
-    except (StoreUnreachable, ConfigError) as err:
+    except (StoreUnreachable, ConfigError, LaunchError) as err:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
         agent.close()  # its progress boards
-        return ConfigError.exit_code
+        return 1 if isinstance(err, LaunchError) else ConfigError.exit_code
     try:
         agent.start()
         while True:

@@ -91,7 +91,8 @@ class ProcessEnv:
 
 
 def write_preflight(cfg) -> None:
-    """Tell deadpool-launch the settings it acts on (heartbeats, faults, event log)."""
+    """Tell deadpool-launch the settings it acts on (heartbeats, faults, event log), and
+    every flag as parsed ("flags": the agents of a multi-node job compare theirs)."""
     path = os.environ.get(ENV_PREFLIGHT_OUT)
     if path:
         with open(path, "w") as fh:
@@ -102,6 +103,7 @@ def write_preflight(cfg) -> None:
                     "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
                     "save": cfg.checkpoint.save,
                     "load": cfg.checkpoint.load,
+                    "flags": cfg.flat(),
                 },
                 fh,
             )

@@ -11,9 +11,11 @@ from jobs import ROOT, JobResult
 
 
 def start_nodes(tmp_path: Path, nnodes: int, spare_nodes: int, nproc: int, args: list[str],
-                spares: int = 0, launcher: tuple[str, ...] = ()) -> LocalNodes:  # fmt: skip
+                spares: int = 0, launcher: tuple[str, ...] = (),
+                node_args: dict[int, list[str]] | None = None) -> LocalNodes:  # fmt: skip
     return start_local_nodes(tmp_path, str(ROOT / "pretrain_gpt.py"), nnodes, spare_nodes, nproc,
-                             args, spares, cwd=str(ROOT), launcher=launcher)  # fmt: skip
+                             args, spares, cwd=str(ROOT), launcher=launcher,
+                             node_args=node_args)  # fmt: skip
 
 
 def result(nodes: LocalNodes, node: int = 0) -> JobResult:

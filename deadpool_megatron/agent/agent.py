@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import os
 import signal
 import socket
 import time
 import uuid
 from dataclasses import astuple
 
+from ..agreement import LAUNCH_SHAPE
 from ..control import keys, messages
 from ..control.chaos import Chaos
 from ..control.connect import control_store
@@ -32,6 +34,7 @@ from ..control.messages import (
     JobLaunch,
     Member,
     Membership,
+    NodeLaunch,
     PlanDecision,
     RankLost,
     RecoveryOrder,
@@ -44,7 +47,7 @@ from ..control.signed import ForgedRecord, job_secret, signed
 from ..control.store import StoreTimeout, StoreUnreachable
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
-from ..errors import ConfigError
+from ..errors import BAD_INPUT_EXIT, ConfigError
 from ..events import (
     FAILURE_DETECTED,
     JOB_ENDED,
@@ -62,8 +65,9 @@ from ..recovery.placement import spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
-from .decide import Action, respond
+from .decide import Action, refused_its_input, respond
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
+from .launches import compare_launches
 from .nodes import Hosted, Lease, NodeWatch
 from .pool import SparePool
 from .replenish import Replenisher, SpareStart
@@ -147,6 +151,8 @@ class Agent:
         self.ctx = JobContext(self.kv, self.job_id)
         if self._outlives_launches():
             self._claim_launch()
+        if self.node_count > 1:
+            self._agree_on_launch()
 
     def _outlives_launches(self) -> bool:
         """etcd keeps a job's keys after its launch; node 0's TCPStore ends with it."""
@@ -156,21 +162,43 @@ class Agent:
         """Make sure this launch owns its job id's keys before any process starts. Another
         launch's (signed with another secret) read as absent, so its registrations and
         leases would be ignored while its counters (unsigned) were added to, and its
-        membership refused ours with a traceback: such a job id is refused here, by name."""
+        membership refused ours with a traceback: such a job id is refused here, by name.
+        One node's agent is its launch's only one: a record it did not write is an earlier
+        launch's, even signed with the same secret."""
         mine = JobLaunch(socket.gethostname(), self.node, time.time())
         try:
-            self.ctx.create(keys.launch(self.job_id), mine)  # or another agent of ours did
-            return
+            if self.ctx.create(keys.launch(self.job_id), mine) or self.node_count > 1:
+                return  # this agent's, or (several nodes) another agent of this launch's
+            whose = "an earlier launch with the same DEADPOOL_JOB_SECRET"
         except ForgedRecord:
-            endpoint = self.kv.endpoint
+            whose = "another launch (not signed with this launch's DEADPOOL_JOB_SECRET)"
         raise ConfigError(
-            f"job id {self.job_id!r} already has keys in the store at {endpoint} written by "
-            "another launch (not signed with this launch's DEADPOOL_JOB_SECRET): it ended "
-            "without finishing, or still runs. Launch with another --job-id (the Slurm script "
-            "gives a requeued job one of its own), or, once nothing of that launch runs, "
-            f"delete its keys: etcdctl del --prefix {keys.job_prefix(self.job_id)} and "
-            f"etcdctl del --prefix {keys.process_groups_prefix(self.job_id)}"
+            f"job id {self.job_id!r} already has keys in the store at {self.kv.endpoint} "
+            f"written by {whose}: it ended without finishing, or still runs. Launch with "
+            "another --job-id (the Slurm script gives a requeued job one of its own), or, once "
+            "nothing of that launch runs, delete its keys: etcdctl del --prefix "
+            f"{keys.job_prefix(self.job_id)} and etcdctl del --prefix "
+            f"{keys.process_groups_prefix(self.job_id)}"
         )
+
+    def _agree_on_launch(self) -> None:
+        """Every node's agent compares every node's launch before any process starts: a node
+        given other flags would build other process groups, load or train to another
+        iteration, and hang the job. Each agent refuses the same differences (exit 2); in
+        etcd, node 0's then deletes the refused launch's keys."""
+        shape = {key: getattr(self.args, key) for key in LAUNCH_SHAPE}
+        shape["script"] = os.path.basename(shape["script"])  # mounted elsewhere on each node
+        mine = NodeLaunch(self.node, socket.gethostname(), shape, self.settings.flags)
+        timeout_s = self.settings.protection.deadpool_slow_phase_timeout
+        try:
+            compared = compare_launches(self.ctx, mine, self.node_count, timeout_s)
+        except ConfigError:
+            if self.node == 0 and self._outlives_launches():
+                self._forget_job()
+            raise
+        if self.node == 0:
+            log.info("job %s: its %d nodes were launched alike (%d training flags compared)",
+                     self.job_id, compared, len(self.settings.flags or ()))  # fmt: skip
 
     def _agree_job_id(self) -> str:
         """One node: a fresh id. Several: the first agent to write one under this launch's
@@ -402,11 +430,17 @@ class Agent:
             t = time.time()
             self.swap.fence(c.rank, describe(c.evidence))
             fence_s = time.time() - t
-        self._log_detection(detection, run.monitor.iteration)
+        if not refused_its_input(c):  # not a failure: said below
+            self._log_detection(detection, run.monitor.iteration)
         if response.action is Action.RESTART:
             return self.restart(f"failure of rank {c.rank}")
         if response.action is Action.END:
             child = run.workers[c.rank]
+            if refused_its_input(c):
+                log.error("worker rank %d (pid %d) %s: it refused its input (its error is "
+                          "above); a spare would be given the same, so the job ends",
+                          c.rank, child.proc.pid, describe_exit(c.evidence.returncode))  # fmt: skip
+                return self._end(f"rank {c.rank} refused its input", BAD_INPUT_EXIT)
             if isinstance(c.evidence, ProcessExited):
                 log.error("worker rank %d (pid %d) %s; ending the job", c.rank, child.proc.pid,
                           describe_exit(c.evidence.returncode))  # fmt: skip
@@ -529,10 +563,10 @@ class Agent:
         self.start()
         return RESTART
 
-    def _end(self, reason: str) -> int:
+    def _end(self, reason: str, status: int = 1) -> int:
         self.children.terminate(signal.SIGTERM)
-        self.events.emit(JOB_ENDED, status=1, reason=reason)
-        return 1
+        self.events.emit(JOB_ENDED, status=status, reason=reason)
+        return status
 
     def finish(self, run: Run, reason: str = SUCCEEDED) -> int:
         """This node's workers succeeded (or it has none and the job is done): tell the

@@ -5,12 +5,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from ..errors import BAD_INPUT_EXIT
 from ..failure.classify import Classification, Decision
 from ..failure.evidence import ProcessExited
 
 
 class Action(enum.Enum):
-    END = "end"  # log it and end the job (no protection, or the job is not up yet)
+    END = "end"  # log it and end the job (no protection, not up yet, or a refused input)
     RESTART = "restart"  # checkpoint-restart: stop everything, start again from --save
     HOTSWAP = "hotswap"  # recover in place: a spare takes the rank, or it resets itself
 
@@ -26,6 +27,8 @@ def respond(c: Classification, restart_policy: str, protected: bool, up: bool) -
     """`restart_policy`: deadpool-launch's (hotswap or full); `protected`: the job runs with
     --deadpool; `up`: generation 0's membership is recorded (every rank registered)."""
     alive = not isinstance(c.evidence, ProcessExited)
+    if refused_its_input(c):  # a spare or a restart would be given the same input
+        return Response(Action.END, fence=False, replace=False)
     if restart_policy == "full":
         return Response(Action.RESTART, fence=False, replace=False)  # every process stops
     if not protected or not up:
@@ -33,3 +36,9 @@ def respond(c: Classification, restart_policy: str, protected: bool, up: bool) -
         return Response(Action.END, fence=alive and c.kind is Decision.PERMANENT, replace=False)
     permanent = c.kind is Decision.PERMANENT
     return Response(Action.HOTSWAP, fence=permanent and alive, replace=permanent)
+
+
+def refused_its_input(c: Classification) -> bool:
+    """The rank exited with the status of a process that refuses its input (a checkpoint
+    under --load that is missing, flags found wrong after start), not of a failure."""
+    return isinstance(c.evidence, ProcessExited) and c.evidence.returncode == BAD_INPUT_EXIT

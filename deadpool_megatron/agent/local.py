@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,9 +114,11 @@ def start_local_nodes(
     spares: int = 0,
     cwd: str | None = None,
     launcher: tuple[str, ...] = (),
+    node_args: Mapping[int, list[str]] | None = None,
 ) -> LocalNodes:
     """Start one deadpool-launch agent per node, each in its own session, logging to
-    workdir/nodeN.log; the job's metrics go to workdir/metrics.jsonl."""
+    workdir/nodeN.log; the job's metrics go to workdir/metrics.jsonl. `node_args`: more
+    script arguments for some nodes (a node launched unlike the others)."""
     port = free_port()
     metrics = workdir / "metrics.jsonl"
     env = {**os.environ, ENV_JOB_SECRET: os.environ.get(ENV_JOB_SECRET) or new_secret()}
@@ -128,7 +131,7 @@ def start_local_nodes(
             "--nnodes", str(nnodes), "--spare-nodes", str(spare_nodes),
             "--node-rank", str(node), "--master-addr", "127.0.0.1",
             "--master-port", str(port), *launcher, script, *args,
-            "--metrics-jsonl", str(metrics),
+            "--metrics-jsonl", str(metrics), *(node_args or {}).get(node, []),
         ]  # fmt: skip
         with open(log, "w") as fh:
             procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh,

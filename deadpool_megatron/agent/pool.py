@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from ..control import keys
 from ..control.messages import spare_id
+from ..errors import BAD_INPUT_EXIT
 from ..events import FAULT_INJECTED, SPARE_LOST, SPARE_POOL, SPARE_STARTED, EventLog
 from ..failure.evidence import describe_exit
 from .children import Child
@@ -99,7 +100,11 @@ class SparePool:
             self.events.emit(SPARE_LOST, spare=child.index, pid=child.proc.pid,
                              how=describe_exit(rc), ready=ready)  # fmt: skip
             self._announcing_stop(lambda ready=ready: self.replenisher.spare_died(ready))
-            self.replenisher.lost(child.local_rank)
+            if rc == BAD_INPUT_EXIT:  # its replacement would be given the same input
+                log.error("spare %d refused its input (its error is above); no spare is "
+                          "started in its place", child.index)  # fmt: skip
+            else:
+                self.replenisher.lost(child.local_rank)
             self._changed(f"spare {child.index} lost")
 
     def refill(self) -> None:

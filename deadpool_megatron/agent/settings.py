@@ -29,6 +29,7 @@ class LaunchSettings:
     pp: int = 1
     save: str | None = None
     load: str | None = None
+    flags: dict | None = None  # every flag of the script as it parsed them; None: not told
 
     @classmethod
     def from_preflight(cls, d: dict) -> LaunchSettings:
@@ -39,6 +40,7 @@ class LaunchSettings:
             pp=int(d.get("pipeline_model_parallel_size", 1)),
             save=d.get("save"),
             load=d.get("load"),
+            flags=d.get("flags"),
         )
 
     @property

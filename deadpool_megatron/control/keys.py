@@ -159,6 +159,18 @@ def launch(job: str) -> str:
     return f"{_job(job)}/launch"
 
 
+def node_launch(job: str, node: int) -> str:
+    """What `node`'s agent was launched with (`NodeLaunch`), compared by every agent before
+    any process starts."""
+    return f"{_job(job)}/node_launch/{node}"
+
+
+def launches_compared(job: str) -> str:
+    """How many agents have compared the nodes' launches (node 0's, which may host the store,
+    waits for all before it ends a launch they refused)."""
+    return f"{_job(job)}/launches_compared"
+
+
 def launch_identity(launch: str) -> str:
     """The job id agreed by the agents of one launch (`launch`: the store's address)."""
     return f"{ROOT}/launch/{launch}/job"

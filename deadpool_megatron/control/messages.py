@@ -381,6 +381,21 @@ class JobLaunch(Record):
 
 
 @dataclass(frozen=True)
+class NodeLaunch(Record):
+    """What one node's agent was launched with: deadpool-launch's flags that shape the job
+    (`agreement.LAUNCH_SHAPE`, the script by its file name) and the training script's flags as
+    its preflight parsed them (None: not told). Every agent compares every node's."""
+
+    node: int
+    host: str
+    shape: dict[str, Any]
+    flags: dict[str, Any] | None
+
+    def as_compared(self) -> dict[str, Any]:
+        return {**self.shape, "flags": self.flags}
+
+
+@dataclass(frozen=True)
 class AgentBeat(Record):
     """A node agent's lease on its node: what it hosts, renewed every heartbeat interval.
 

@@ -25,6 +25,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from ..agreement import agreed_checkpoint
 from ..config import JobConfig
 from ..errors import CheckpointError
 from ..runtime import die_with_parent
@@ -66,6 +67,19 @@ def tracked_iteration(root: str) -> int | None:
     without one, or when it names Megatron-LM's `release`."""
     text = _tracker_text(root)
     return int(text) if text is not None and text.isdigit() else None
+
+
+def _find_checkpoint(root: str) -> int | str | None:
+    """What this rank finds under --load: the newest complete checkpoint's iteration, None
+    for none, or why what it found cannot be loaded."""
+    try:
+        iteration = latest_iteration(root)
+    except CheckpointError as err:
+        return str(err)
+    path = None if iteration is None else checkpoint_dir(root, iteration)
+    if path is not None and not os.path.isdir(path):
+        return f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} is missing"
+    return iteration
 
 
 def _sharded_state_dict(state: TrainState, iteration: int, is_loading: bool) -> dict:
@@ -182,17 +196,17 @@ def new_async_queue(cfg: JobConfig):
 
 
 def load(cfg: JobConfig, state: TrainState) -> int:
-    """Load the newest complete checkpoint under --load; returns its iteration (0: none)."""
+    """Load the newest complete checkpoint under --load; returns its iteration (0: none).
+    The ranks first agree on which one (`agreement.agreed_checkpoint`): a rank that found
+    another, or none, would load something else, or wait alone in the load's collectives."""
     root = cfg.checkpoint.load
-    iteration = latest_iteration(root)
+    found: list[int | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, _find_checkpoint(root))
+    iteration = agreed_checkpoint(root, found)
     if iteration is None:
         log.warning("no complete checkpoint under %s (no %s): starting from scratch", root, TRACKER)
         return 0
     path = checkpoint_dir(root, iteration)
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"{os.path.join(root, TRACKER)} names iteration {iteration} but {path} is missing"
-        )
     start = time.perf_counter()
     materialize_optimizer_state(state.optimizer)
     loaded = dist_checkpointing.load(_sharded_state_dict(state, iteration, is_loading=True), path)

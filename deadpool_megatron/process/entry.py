@@ -1,7 +1,9 @@
 """The process side of a training script started by deadpool-launch, for our pretrain_gpt.py
 and patched Megatron-LM's alike: parse the command line (a bad value ends the process with
 status 2 and one message, before anything heavy is imported), answer the launcher's preflight,
-then wait as a spare or train as a worker."""
+then wait as a spare or train as a worker. Bad input found later (a checkpoint under --load,
+the data) ends the process the same way, and deadpool-launch ends the job on that status
+rather than hot-swapping the rank."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from collections.abc import Callable
 
 from ..config import JobConfig
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from ..logging_setup import setup_logging
 from ..runtime import ROLE_SPARE, ProcessEnv, write_preflight
 
@@ -37,8 +39,12 @@ def run_process(
     from ..megatron.core_import import import_megatron_core
 
     import_megatron_core()  # first: whatever imports it next finds it loaded (see there)
-    if env.role == ROLE_SPARE:
-        from .spare import run_spare
+    try:
+        if env.role == ROLE_SPARE:
+            from .spare import run_spare
 
-        return run_spare(env, cfg, become=None if become is None else become(cfg))
-    return train(cfg, env)
+            return run_spare(env, cfg, become=None if become is None else become(cfg))
+        return train(cfg, env)
+    except (ConfigError, CheckpointError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code

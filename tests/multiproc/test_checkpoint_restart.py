@@ -99,3 +99,28 @@ def test_async_save_restarts_from_a_committed_checkpoint_bitwise(tmp_path):
     (loaded,) = [e for e in read_events(str(log)) if e["event"] == "checkpoint_loaded"]
     assert loaded["iteration"] in (5, 10, 15, 20, 25), loaded
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "40"
+
+
+@pytest.mark.parametrize("policy", ["hotswap", "full"])
+def test_a_load_the_ranks_cannot_use_ends_the_job_with_one_error_not_a_recovery(tmp_path, policy):
+    # The tracker under --load names an iteration whose directory is gone. Every rank finds
+    # that, after the job is up (ranks registered, the spare idle): it is bad input, not a
+    # failure, so neither a spare nor a restart is tried (each would be given the same).
+    load = tmp_path / "ckpt"
+    load.mkdir()
+    (load / "latest_checkpointed_iteration.txt").write_text("5")
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE_DP4, "--load", str(load), "--deadpool-event-log", str(log)]
+    spares = 1 if policy == "hotswap" else 0
+    result = run_job(tmp_path, 4, args, spares, launcher=["--restart-policy", policy])
+    assert result.returncode == 2, result.failure()
+    missing = f"names iteration 5 but {load / 'iter_0000005'} is missing"
+    assert f"pretrain_gpt.py: error: {load}" in result.output, result.output[-3000:]
+    assert missing in result.output  # the ranks still up were stopped: one error may be all
+    assert "it refused its input" in result.output
+    assert "classified" not in result.output and "Traceback" not in result.output
+    events = read_events(str(log))
+    assert not [e for e in events if e["event"] in ("job_restart", "spare_claimed",
+                                                     "failure_detected")]  # fmt: skip
+    (ended,) = [e for e in events if e["event"] == "job_ended"]
+    assert ended["status"] == 2 and "refused its input" in ended["reason"]

@@ -160,21 +160,26 @@ def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     assert count_keys(etcd_url, keys.process_groups_prefix(job)) == 0
 
 
+@pytest.mark.parametrize("secret", ["another", "the same"])
 def test_a_job_id_whose_keys_another_launch_left_in_etcd_is_refused_before_any_process(
-    tmp_path, etcd_url
+    tmp_path, etcd_url, secret
 ):
     # A launch that ended without finishing leaves its keys in etcd, signed with its secret.
     # Another launch under the same id would ignore them (another secret) yet add to their
-    # counters: it is refused, with the two commands that clean up, before any process starts.
+    # counters, or (the same secret, exported by the user) read its membership as its own:
+    # it is refused, with the two commands that clean up, before any process starts.
     job = f"left-{tmp_path.name[-12:]}"
-    earlier = SignedKVStore(EtcdKVStore(etcd_url), new_secret().encode())
+    mine = new_secret()
+    earlier = SignedKVStore(EtcdKVStore(etcd_url),
+                            (mine if secret == "the same" else new_secret()).encode())  # fmt: skip
     assert messages.create(earlier, keys.launch(job), JobLaunch("elsewhere", 0, time.time()))
     earlier.set(keys.membership(job), b"an earlier launch's membership")
     args = [*SHAPE, "--train-iters", "4", "--deadpool-store", "etcd",
             "--deadpool-etcd-endpoints", etcd_url]  # fmt: skip
-    result = run_job(tmp_path, 4, args, launcher=["--job-id", job])
+    result = run_job(tmp_path, 4, args, launcher=["--job-id", job], env={ENV_JOB_SECRET: mine})
     assert result.returncode == 2, result.failure()
     assert f"job id '{job}' already has keys in the store at {etcd_url}" in result.output
+    assert ("with the same DEADPOOL_JOB_SECRET" in result.output) == (secret == "the same")
     assert f"etcdctl del --prefix deadpool/{job}/" in result.output
     assert "worker" not in result.output and "Traceback" not in result.output  # none started
     assert result.losses == {}

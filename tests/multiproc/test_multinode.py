@@ -259,6 +259,27 @@ def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_
     assert "told its coordinator so" in out or "following the recovery into generation 1" in out
 
 
+def test_nodes_launched_with_different_flags_are_refused_before_any_process_starts(tmp_path):
+    # Node 1 is told to train to 20: its ranks would have waited past the others' end in
+    # collectives nobody joins. Every agent names the difference (and not the metrics file,
+    # which a node may choose) and exits 2 before starting a process.
+    args = [*SHAPE, "--deadpool-event-log", str(tmp_path / "events.jsonl")]
+    nodes = start_nodes(tmp_path, 3, 0, NPROC, args, spares=1,
+                        node_args={1: ["--train-iters", "20", "--metrics-jsonl", "x.jsonl"]})  # fmt: skip
+    try:
+        rcs = nodes.wait(120)
+    finally:
+        nodes.stop()
+    out = nodes.all_output()
+    assert rcs == [2, 2, 2], out[-3000:]
+    for node in range(3):
+        said = nodes.output(node)
+        assert "the job's 3 nodes were launched with different settings" in said, said[-2000:]
+        assert "--train-iters: nodes 0, 2: 14; node 1: 20" in said, said[-2000:]
+        assert "metrics" not in said.split("different settings")[1], said[-2000:]
+    assert "started worker" not in out and "started spare" not in out, out[-3000:]
+
+
 def _running(pid: int) -> bool:
     """The process exists and is not a zombie (it may vanish between two looks)."""
     try:

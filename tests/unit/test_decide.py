@@ -12,6 +12,7 @@ from deadpool_megatron.failure.evidence import (
 )
 
 EXITED = Classification(1, Decision.PERMANENT, "exited", ProcessExited(1, -9, 0.0))
+REFUSED = Classification(1, Decision.PERMANENT, "exited 2", ProcessExited(1, 2, 0.0))
 HUNG = Classification(1, Decision.PERMANENT, "hung", HeartbeatStale(1, 0.0, 3.0, "stopped"))
 UNFIT = Classification(1, Decision.PERMANENT, "unfit", HealthCheckFailed(1, "nan", 0.0))
 TRANSIENT = Classification(1, Decision.TRANSIENT, "raised", InjectedTransient(1, 0.0))
@@ -32,6 +33,11 @@ TRANSIENT = Classification(1, Decision.TRANSIENT, "raised", InjectedTransient(1,
         (EXITED, "hotswap", True, True, Response(Action.HOTSWAP, False, True)),
         (HUNG, "hotswap", True, True, Response(Action.HOTSWAP, True, True)),
         (UNFIT, "hotswap", True, True, Response(Action.HOTSWAP, True, True)),
+        # a rank that refused its input (status 2) ends the job: a spare or a restart would
+        # be given the same input
+        (REFUSED, "hotswap", True, True, Response(Action.END, False, False)),
+        (REFUSED, "full", True, True, Response(Action.END, False, False)),
+        (REFUSED, "hotswap", False, False, Response(Action.END, False, False)),
         # a transient failure resets in place: no fence, no spare
         (TRANSIENT, "hotswap", True, True, Response(Action.HOTSWAP, False, False)),
     ],

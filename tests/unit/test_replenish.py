@@ -109,6 +109,18 @@ def test_a_spare_dying_idle_is_replaced_in_its_slot(tmp_path, kv, sleepers):
     assert len(spawned) == 1
 
 
+def test_a_spare_that_refused_its_input_is_not_replaced(tmp_path, kv, sleepers):
+    # Status 2: the spare found its flags or data wrong; a fresh one would be given the same.
+    refusing = _child(subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"]), 0, 4)
+    refusing.proc.wait()
+    pool, spawned, log = _pool(tmp_path, kv, sleepers, [refusing])
+    pool.watch(iteration=3)
+    pool.refill()
+    assert spawned == [] and pool.size() == 0
+    (lost,) = [e for e in read_events(str(log)) if e["event"] == "spare_lost"]
+    assert lost["how"] == "exited with status 2"
+
+
 def test_a_replaced_worker_frees_its_slot_for_a_fresh_spare(tmp_path, kv, sleepers):
     spare = _child(sleepers(), 0, 4)
     worker = _child(sleepers(), 3, 3, role="worker")
