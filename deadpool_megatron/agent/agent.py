@@ -12,26 +12,21 @@ that every agent carries out."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import os
 import signal
 import socket
 import time
-import uuid
 from dataclasses import astuple
 
 from ..agreement import LAUNCH_SHAPE
-from ..control import keys, messages
+from ..control import keys
 from ..control.chaos import Chaos
-from ..control.connect import control_store
 from ..control.context import JobContext
 from ..control.membership import MembershipStore
 from ..control.messages import (
     AgentBeat,
     Flag,
-    JobIdentity,
-    JobLaunch,
     Member,
     Membership,
     NodeLaunch,
@@ -43,7 +38,7 @@ from ..control.messages import (
     spare_id,
 )
 from ..control.monitor import Detection, Monitor
-from ..control.signed import ForgedRecord, job_secret, signed
+from ..control.signed import job_secret, signed
 from ..control.store import StoreTimeout, StoreUnreachable
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
@@ -67,7 +62,7 @@ from ..topology import Topology
 from .children import Child, Children, Launch, job_env
 from .decide import Action, refused_its_input, respond
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
-from .launches import compare_launches
+from .launches import agree_job_id, claim_launch, compare_launches, forget_job, open_store
 from .nodes import Hosted, Lease, NodeWatch
 from .pool import SparePool
 from .replenish import Replenisher, SpareStart
@@ -125,61 +120,24 @@ class Agent:
 
     # -- start-up ---------------------------------------------------------------------------
     def host_store(self) -> None:
-        """The job's store and the job id every agent uses. With --deadpool-store etcd, etcd
-        holds everything (control records and the process groups' rendezvous) and no agent
-        hosts anything; otherwise node 0's agent hosts a TCPStore, in this process so it
-        outlives every worker, and the other nodes' agents connect to it."""
-        p = self.settings.protection
-        if p.deadpool_store == "etcd":
-            self.kv = control_store(p, "", 0)
-        else:
-            import torch.distributed as dist
-
-            self.store = dist.TCPStore(
-                self.args.master_addr,
-                self.port,
-                is_master=self.node == 0,
-                timeout=datetime.timedelta(seconds=300),
-                wait_for_workers=False,
-            )
-            self.port = self.store.port
-            hosted = TcpKVStore.wrap(self.store, f"{self.args.master_addr}:{self.port}")
-            self.kv = signed(hosted, job_secret())
+        """The job's store (`launches.open_store`), the job id every agent uses, this
+        launch's claim on its keys where they outlive it, and, with several nodes, every
+        node's launch compared with the others' before any process starts."""
+        self.store, self.kv, self.port = open_store(self.args, self.settings.protection,
+                                                    self.port)  # fmt: skip
         if not self.job_id:
-            self.job_id = self._agree_job_id()
+            self.job_id = agree_job_id(self.kv, f"{self.args.master_addr}:{self.port}",
+                                       self.node_count, self._outlives_launches())  # fmt: skip
         self.fault_scope = self.job_id
         self.ctx = JobContext(self.kv, self.job_id)
         if self._outlives_launches():
-            self._claim_launch()
+            claim_launch(self.ctx, self.node, self.node_count)
         if self.node_count > 1:
             self._agree_on_launch()
 
     def _outlives_launches(self) -> bool:
         """etcd keeps a job's keys after its launch; node 0's TCPStore ends with it."""
         return self.settings.protection.deadpool_store == "etcd"
-
-    def _claim_launch(self) -> None:
-        """Make sure this launch owns its job id's keys before any process starts. Another
-        launch's (signed with another secret) read as absent, so its registrations and
-        leases would be ignored while its counters (unsigned) were added to, and its
-        membership refused ours with a traceback: such a job id is refused here, by name.
-        One node's agent is its launch's only one: a record it did not write is an earlier
-        launch's, even signed with the same secret."""
-        mine = JobLaunch(socket.gethostname(), self.node, time.time())
-        try:
-            if self.ctx.create(keys.launch(self.job_id), mine) or self.node_count > 1:
-                return  # this agent's, or (several nodes) another agent of this launch's
-            whose = "an earlier launch with the same DEADPOOL_JOB_SECRET"
-        except ForgedRecord:
-            whose = "another launch (not signed with this launch's DEADPOOL_JOB_SECRET)"
-        raise ConfigError(
-            f"job id {self.job_id!r} already has keys in the store at {self.kv.endpoint} "
-            f"written by {whose}: it ended without finishing, or still runs. Launch with "
-            "another --job-id (the Slurm script gives a requeued job one of its own), or, once "
-            "nothing of that launch runs, delete its keys: etcdctl del --prefix "
-            f"{keys.job_prefix(self.job_id)} and etcdctl del --prefix "
-            f"{keys.process_groups_prefix(self.job_id)}"
-        )
 
     def _agree_on_launch(self) -> None:
         """Every node's agent compares every node's launch before any process starts: a node
@@ -194,25 +152,11 @@ class Agent:
             compared = compare_launches(self.ctx, mine, self.node_count, timeout_s)
         except ConfigError:
             if self.node == 0 and self._outlives_launches():
-                self._forget_job()
+                self._forget_job("was refused")
             raise
         if self.node == 0:
             log.info("job %s: its %d nodes were launched alike (%d training flags compared)",
                      self.job_id, compared, len(self.settings.flags or ()))  # fmt: skip
-
-    def _agree_job_id(self) -> str:
-        """One node: a fresh id. Several: the first agent to write one under this launch's
-        store address wins and everyone reads it (the TCPStore is new with every launch; on
-        etcd, which outlives launches, --job-id is required instead)."""
-        fresh = uuid.uuid4().hex[:8]
-        if self.node_count == 1:
-            return fresh
-        if self.settings.protection.deadpool_store == "etcd":
-            raise ConfigError("--deadpool-store etcd with several nodes needs --job-id (the "
-                              "same on every node; under Slurm, $SLURM_JOB_ID)")  # fmt: skip
-        key = keys.launch_identity(f"{self.args.master_addr}:{self.port}")
-        messages.create(self.kv, key, JobIdentity(fresh))
-        return messages.get(self.kv, key, JobIdentity).job
 
     def spare_index(self, s: int, node: int | None = None) -> int:
         """Globally unique: every node numbers its spares in its own block, as wide as the
@@ -634,7 +578,7 @@ class Agent:
         expected = self.node_count - len(run.nodes.lost_nodes())
         if outlives:
             if left == expected:
-                self._forget_job()
+                self._forget_job("finished: every agent left")
             return
         if self.node != 0 or self.node_count == 1 or self.store is None:
             return
@@ -645,21 +589,17 @@ class Agent:
         except StoreTimeout as err:
             log.warning("%s; closing the store anyway", err)
 
-    def _forget_job(self) -> None:
+    def _forget_job(self, why: str = "finished") -> None:
         """Delete the job's keys and rendezvous, its checkpoint-restarts' included; a store
-        that cannot be reached keeps them (said once: the job itself has finished)."""
-        jobs = [self.fault_scope,
-                *(keys.restarted_job(self.fault_scope, n) for n in range(1, self.restarts + 1))]  # fmt: skip
-        removed = 0
+        that cannot be reached keeps them (said once: the job itself is over)."""
+        scope = self.fault_scope
+        jobs = [scope, *(keys.restarted_job(scope, n) for n in range(1, self.restarts + 1))]
         try:
-            for job in jobs:
-                for prefix in (keys.job_prefix(job), keys.process_groups_prefix(job)):
-                    removed += self.kv.delete_prefix(prefix) or 0
+            removed = forget_job(self.kv, jobs)
         except (StoreUnreachable, StoreTimeout) as err:
-            log.warning("job %s finished, but its keys stay in the store: %s", self.job_id, err)
+            log.warning("job %s %s, but its keys stay in the store: %s", self.job_id, why, err)
             return
-        log.info("job %s: every agent left; its %d key(s) deleted from the store",
-                 self.fault_scope, removed)  # fmt: skip
+        log.info("job %s %s; its %d key(s) deleted from the store", scope, why, removed)
 
     def _stop_lease(self) -> None:
         if self.lease is not None:

@@ -1,24 +1,89 @@
-"""Before any process starts, the agents of a multi-node job compare what each node was
-launched with, through the store: each writes its own `NodeLaunch`, waits for every node's,
-and refuses the same differences (`agreement.refuse_unlike_launches`)."""
+"""A launch of the job in its store, from its agents' start to their end: the store itself
+(node 0's TCPStore, or etcd), the job id its agents agree on, its claim on that id's keys in a
+store that outlives launches, the comparison of what each node was launched with before any
+process starts, and the deletion of the job's keys once it is over."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import datetime
+import socket
 import time
+import uuid
 from collections.abc import Callable
 
 from ..agreement import refuse_unlike_launches
-from ..control import keys
+from ..config import DeadpoolConfig
+from ..control import keys, messages
+from ..control.connect import control_store
 from ..control.context import JobContext
-from ..control.messages import NodeLaunch
-from ..control.store import StoreTimeout
+from ..control.messages import JobIdentity, JobLaunch, NodeLaunch
+from ..control.signed import ForgedRecord, job_secret, signed
+from ..control.store import KVStore, StoreTimeout
+from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
 from ..errors import ConfigError, LaunchError
 
 # How long node 0's agent, which may host the store, waits after refusing for the other
 # agents to have read every launch (they would find the store gone, not the reason).
 COMPARED_WAIT_S = 10.0
+
+
+def open_store(
+    args: argparse.Namespace, protection: DeadpoolConfig, port: int
+) -> tuple[object | None, KVStore, int]:
+    """(the TCPStore this agent hosts or reaches, None with etcd; the job's signed key-value
+    store; the port it listens on). With --deadpool-store etcd, etcd holds everything
+    (control records and the process groups' rendezvous) and no agent hosts anything;
+    otherwise node 0's agent hosts a TCPStore, in its own process so it outlives every
+    worker, and the other nodes' agents connect to it."""
+    if protection.deadpool_store == "etcd":
+        return None, control_store(protection, "", 0), port
+    import torch.distributed as dist
+
+    store = dist.TCPStore(args.master_addr, port, is_master=args.node_rank == 0,
+                          timeout=datetime.timedelta(seconds=300), wait_for_workers=False)  # fmt: skip
+    hosted = TcpKVStore.wrap(store, f"{args.master_addr}:{store.port}")
+    return store, signed(hosted, job_secret()), store.port
+
+
+def agree_job_id(kv: KVStore, launch: str, node_count: int, outlives: bool) -> str:
+    """One node: a fresh id. Several: the first agent to write one under this launch's store
+    address (`launch`) wins and everyone reads it (the TCPStore is new with every launch; a
+    store that outlives launches, etcd, needs --job-id instead)."""
+    fresh = uuid.uuid4().hex[:8]
+    if node_count == 1:
+        return fresh
+    if outlives:
+        raise ConfigError("--deadpool-store etcd with several nodes needs --job-id (the "
+                          "same on every node; under Slurm, $SLURM_JOB_ID)")  # fmt: skip
+    key = keys.launch_identity(launch)
+    messages.create(kv, key, JobIdentity(fresh))
+    return messages.get(kv, key, JobIdentity).job
+
+
+def claim_launch(ctx: JobContext, node: int, node_count: int) -> None:
+    """Make sure this launch owns its job id's keys, in a store that outlives launches,
+    before any process starts. Another launch's (signed with another secret) read as absent,
+    so its registrations and leases would be ignored while its counters (unsigned) were added
+    to, and its membership refused ours with a traceback: such a job id is refused here, by
+    name. One node's agent is its launch's only one: a record it did not write is an earlier
+    launch's, even signed with the same secret."""
+    mine = JobLaunch(socket.gethostname(), node, time.time())
+    try:
+        if ctx.create(keys.launch(ctx.job), mine) or node_count > 1:
+            return  # this agent's, or (several nodes) another agent of this launch's
+        whose = "an earlier launch with the same DEADPOOL_JOB_SECRET"
+    except ForgedRecord:
+        whose = "another launch (not signed with this launch's DEADPOOL_JOB_SECRET)"
+    raise ConfigError(
+        f"job id {ctx.job!r} already has keys in the store at {ctx.kv.endpoint} written by "
+        f"{whose}: it ended without finishing, or still runs. Launch with another --job-id "
+        "(the Slurm script gives a requeued job one of its own), or, once nothing of that "
+        f"launch runs, delete its keys: etcdctl del --prefix {keys.job_prefix(ctx.job)} and "
+        f"etcdctl del --prefix {keys.process_groups_prefix(ctx.job)}"
+    )
 
 
 def compare_launches(
@@ -64,3 +129,13 @@ def compare_launches(
                            clock=clock, sleep=sleep)  # fmt: skip
         raise
     return len(launches)
+
+
+def forget_job(kv: KVStore, jobs: list[str]) -> int:
+    """Delete the keys and process-group rendezvous of `jobs` (a job and its
+    checkpoint-restarts); returns how many keys went."""
+    removed = 0
+    for job in jobs:
+        for prefix in (keys.job_prefix(job), keys.process_groups_prefix(job)):
+            removed += kv.delete_prefix(prefix) or 0
+    return removed

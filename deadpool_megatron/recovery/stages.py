@@ -39,7 +39,6 @@ import dataclasses
 import gc
 import hashlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ..checkpoint.buffers import HostArena, Reusable, Slot, SlotPair
+from ..checkpoint.buffers import HostArena, Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.restore import (
     Expected,
@@ -66,7 +65,7 @@ from ..control.wait import wait_until
 from ..errors import DeadpoolError
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
-from ..megatron import gloo_ops, parallel
+from ..megatron import parallel
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import group_roles, live_groups, stale_groups
@@ -77,9 +76,11 @@ from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
+from .held import Held
 from .kept import Kept, keep_or_build
 from .leftovers import LeftBehind, referrer_chain
-from .plan import RankHoldings, RecoveryPlan, check_plan
+from .plan import RecoveryPlan, check_plan
+from .release import free_generation
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -109,68 +110,6 @@ class StageTimeouts:
     def from_config(cls, dpc) -> StageTimeouts:
         slow = HangPolicy.from_config(dpc).slow_phase_s
         return cls(max(10.0, dpc.deadpool_heartbeat_timeout), slow, slow, slow)
-
-
-@dataclass
-class Held:
-    """Committed snapshots and replicas kept from before a failure, newest source first."""
-
-    snapshots: list[SlotPair] = field(default_factory=list)
-    replicas: dict[int, list[SlotPair]] = field(default_factory=dict)
-    # Pairs (ids) of a pipeline whose snapshot thread had not ended when it was kept: never
-    # handed over. Ids, not the pipelines: those would keep their process groups reachable.
-    in_use: set[int] = field(default_factory=set)
-
-    def keep(self, pipeline: ProtectionPipeline) -> None:
-        if not pipeline.snapshotter.stopped:
-            self.in_use.update(id(p) for p in pipeline.slot_pairs())
-        if pipeline.snapshotter.slots.committed() is None:
-            return
-        self.snapshots.insert(0, pipeline.snapshotter.slots)
-        for owner, pair in pipeline.replicator.replicas.items():
-            self.replicas.setdefault(owner, []).insert(0, pair)
-
-    def offer(self, iteration: int) -> Reusable:
-        """The idle pairs holding `iteration`, for the generation that rolls back to it; the
-        copies newer than it are dropped from them. Their other slot (an older copy, if any)
-        is the first a new pipeline overwrites, as in training; the copy of `iteration` stays
-        served until a new one is committed. A replication thread left behind (a wait gloo
-        does not wake) touches no pair after its abort but the one it holds a slot of, which
-        is busy, so its other pairs are handed over too."""
-
-        def fit(pairs: list[SlotPair]) -> list[SlotPair]:
-            found = [p for p in dict.fromkeys(pairs) if id(p) not in self.in_use and p.idle
-                     and p.find(iteration) is not None]  # fmt: skip
-            for p in found:
-                p.drop_newer(iteration)
-            return found
-
-        return Reusable(
-            tuple(fit(self.snapshots)),
-            tuple((o, p) for o, ps in self.replicas.items() for p in fit(ps)),
-        )
-
-    def holdings(self) -> RankHoldings:
-        return RankHoldings(
-            frozenset(i for p in self.snapshots for i in p.iterations()),
-            {
-                o: frozenset(i for p in ps for i in p.iterations())
-                for o, ps in self.replicas.items()
-            },
-        )
-
-    def snapshot(self, iteration: int) -> tuple[SlotPair, Slot]:
-        for pair in self.snapshots:
-            slot = pair.find(iteration)
-            if slot is not None:
-                return pair, slot
-        raise DeadpoolError(f"no committed snapshot of iteration {iteration} is held here")
-
-    def replica(self, owner: int, iteration: int) -> SlotPair:
-        for pair in self.replicas.get(owner, []):
-            if pair.find(iteration) is not None:
-                return pair
-        raise DeadpoolError(f"no replica of rank {owner}'s shard at iteration {iteration} here")
 
 
 @dataclass
@@ -712,57 +651,3 @@ def anyone_builds(plan: RecoveryPlan, keep_model: bool) -> bool:
     spares_build = any(r not in plan.prebuilt for r in plan.replaced)
     survivors_build = not keep_model and len(plan.replaced) < len(plan.membership.ranks)
     return spares_build or survivors_build
-
-
-def free_generation(
-    retired: list[object],
-    collect: Callable[[], int],
-    alive: Callable[[], bool],
-    slow_s: float = 1.0,
-) -> int:
-    """Collect what a left generation left behind, never running a group's destructor inside a
-    collection; returns the objects the collections found.
-
-    Part of an old model's cycle can be held from outside Python through one of its
-    generation's groups (an operation still pending on it holds tensors whose autograd graph
-    reaches the gradient hooks, which hold the DDP): a collection frees that model only once
-    the group is gone (measured: each recovery freed the model of the generation before the
-    previous one). So while a left model is alive (`alive`), the groups that nothing but
-    `retired` holds are released (their destructors run here, between collections) and the
-    collection repeated; the groups the freed models held are released last."""
-    found = collect()
-    while alive():
-        sole = [i for i in reversed(range(len(retired))) if sys.getrefcount(retired[i]) <= 2]
-        if not sole:
-            break
-        release_groups([retired.pop(i) for i in sole], slow_s)
-        found += collect()
-    release_groups(retired, slow_s)
-    return found
-
-
-def release_groups(groups: list[object], slow_s: float = 1.0) -> int:
-    """Drop the last references to old process groups, one at a time, each on a short-lived
-    thread waited for up to `slow_s`; returns how many were still closing then (each logged:
-    a collective on it that gloo never woke keeps its destructor waiting until the group's
-    timeout). Such a group is left to its thread and the rest go on: closed in turn on one
-    thread, it held back every group after it (measured in the soak: +24 fds, +19 threads in
-    a process whose collection never finished). All at once, each on its own thread, was
-    tried before the gradient hooks were all cut and made things worse; in turn stays the
-    rule, only a stuck group is let go."""
-    stuck = 0
-    while groups:
-        name = getattr(groups[-1], "group_name", "?")
-        desc = getattr(groups[-1], "group_desc", "")
-        holder = [groups.pop()]  # the closing thread drops the last reference
-        closer = threading.Thread(target=holder.clear, name="deadpool-close", daemon=True)
-        del holder
-        closer.start()
-        closer.join(slow_s)
-        if closer.is_alive():
-            stuck += 1
-            log.warning("closing old process group %s (%s) waits for an operation gloo never "
-                        "woke (%s; it closes at the group's timeout); closing the others "
-                        "meanwhile", name, desc,
-                        ", ".join(gloo_ops.waiting_on(name)) or "none posted here")  # fmt: skip
-    return stuck

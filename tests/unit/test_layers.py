@@ -14,7 +14,7 @@ ROOT = Path(deadpool_megatron.__file__).resolve().parent
 # the top.
 LAYERS = [
     {"errors"},
-    {"runtime", "topology", "endpoints", "logging_setup", "metrics", "events"},
+    {"runtime", "topology", "endpoints", "logging_setup", "metrics", "events", "agreement"},
     {"failure"},
     {"config"},
     {"flags", "control", "checkpoint", "sim", "report"},

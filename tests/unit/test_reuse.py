@@ -18,7 +18,7 @@ from deadpool_megatron.checkpoint.layout import Entry, StateLayout
 from deadpool_megatron.checkpoint.pipeline import ProtectionPipeline
 from deadpool_megatron.checkpoint.replicator import FLAG_DATA, FLAG_STOP, HEADER
 from deadpool_megatron.checkpoint.transport import Transport
-from deadpool_megatron.recovery.stages import Held
+from deadpool_megatron.recovery.held import Held
 
 NBYTES = 256
 

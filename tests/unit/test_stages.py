@@ -26,6 +26,7 @@ from deadpool_megatron.control.messages import (
 from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.process.watcher import OrderWatcher
+from deadpool_megatron.recovery.release import free_generation, release_groups
 from deadpool_megatron.recovery.stages import (
     Lap,
     ProcessRecovery,
@@ -33,8 +34,6 @@ from deadpool_megatron.recovery.stages import (
     RecoveryOrdered,
     StageTimeouts,
     Superseded,
-    free_generation,
-    release_groups,
 )
 from deadpool_megatron.runtime import ProcessEnv
 

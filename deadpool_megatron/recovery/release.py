@@ -1,0 +1,68 @@
+"""Letting a left generation go: its models collected and its process groups closed without a
+group's destructor running inside a collection, and without a stuck group holding back the
+others."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+
+from ..megatron import gloo_ops
+
+log = logging.getLogger("deadpool.recovery")
+
+
+def free_generation(
+    retired: list[object],
+    collect: Callable[[], int],
+    alive: Callable[[], bool],
+    slow_s: float = 1.0,
+) -> int:
+    """Collect what a left generation left behind, never running a group's destructor inside a
+    collection; returns the objects the collections found.
+
+    Part of an old model's cycle can be held from outside Python through one of its
+    generation's groups (an operation still pending on it holds tensors whose autograd graph
+    reaches the gradient hooks, which hold the DDP): a collection frees that model only once
+    the group is gone (measured: each recovery freed the model of the generation before the
+    previous one). So while a left model is alive (`alive`), the groups that nothing but
+    `retired` holds are released (their destructors run here, between collections) and the
+    collection repeated; the groups the freed models held are released last."""
+    found = collect()
+    while alive():
+        sole = [i for i in reversed(range(len(retired))) if sys.getrefcount(retired[i]) <= 2]
+        if not sole:
+            break
+        release_groups([retired.pop(i) for i in sole], slow_s)
+        found += collect()
+    release_groups(retired, slow_s)
+    return found
+
+
+def release_groups(groups: list[object], slow_s: float = 1.0) -> int:
+    """Drop the last references to old process groups, one at a time, each on a short-lived
+    thread waited for up to `slow_s`; returns how many were still closing then (each logged:
+    a collective on it that gloo never woke keeps its destructor waiting until the group's
+    timeout). Such a group is left to its thread and the rest go on: closed in turn on one
+    thread, it held back every group after it (measured in the soak: +24 fds, +19 threads in
+    a process whose collection never finished). All at once, each on its own thread, was
+    tried before the gradient hooks were all cut and made things worse; in turn stays the
+    rule, only a stuck group is let go."""
+    stuck = 0
+    while groups:
+        name = getattr(groups[-1], "group_name", "?")
+        desc = getattr(groups[-1], "group_desc", "")
+        holder = [groups.pop()]  # the closing thread drops the last reference
+        closer = threading.Thread(target=holder.clear, name="deadpool-close", daemon=True)
+        del holder
+        closer.start()
+        closer.join(slow_s)
+        if closer.is_alive():
+            stuck += 1
+            log.warning("closing old process group %s (%s) waits for an operation gloo never "
+                        "woke (%s; it closes at the group's timeout); closing the others "
+                        "meanwhile", name, desc,
+                        ", ".join(gloo_ops.waiting_on(name)) or "none posted here")  # fmt: skip
+    return stuck
