@@ -367,6 +367,8 @@ class Agent:
 
     def _act(self, detection: Detection, run: Run) -> int | None:
         c = detection.classification
+        if not run.up and self.settings.protection.deadpool:
+            run.up = self._membership_up(run.pool.idle)  # every rank may have registered since
         response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
                            run.up)  # fmt: skip
         fence_s = 0.0

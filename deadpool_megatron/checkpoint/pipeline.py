@@ -188,9 +188,26 @@ class ProtectionPipeline:
         self.stats.stall_s.append(self._fenced_s + time.perf_counter() - started)
         self._fenced_s = 0.0
 
+    def protect_start(self, iteration: int) -> None:
+        """Snapshot the state training starts from (`iteration`, before its first step), so
+        that a failure in the first iteration rolls back to it like any later one; the copy
+        overlaps that iteration's compute, and the fence holds its optimizer step until the
+        copy is done."""
+        self._previous = iteration
+        self.snapshotter.start(iteration, self.state.capture_metadata(iteration, self.metadata))
+        self.stats.snapshots += 1
+
     def committed_iteration(self) -> int:
         slot = self.snapshotter.slots.committed()
         return slot.iteration if slot is not None else -1
+
+    def replicated(self, iteration: int) -> bool:
+        """This rank's snapshot of `iteration` is committed and it holds every predecessor's
+        replica of it (or a newer one)."""
+        return self.committed_iteration() >= iteration and all(
+            self.replicator.committed_iteration(p) >= iteration
+            for p in self.replicator.predecessors
+        )
 
     def wait_for_replicas(
         self, iteration: int, sources: list[int] | None = None, timeout: float = 60.0

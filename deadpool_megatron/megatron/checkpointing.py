@@ -252,6 +252,22 @@ def materialize_optimizer_state(optimizer) -> None:
         torch_opt.zero_grad()
 
 
+def optimizer_state_ready(optimizer) -> bool:
+    """Whether every inner optimizer holds its per-parameter state, so that a snapshot can
+    capture it before the first step. A torch Adam/AdamW without any is given the state its
+    first step would create (`fresh_adam_state`: the step then finds it and computes the
+    same); any other optimizer is left as it is and answers False (the zero-gradient step
+    `materialize_optimizer_state` takes would move its parameters under weight decay)."""
+    ready = True
+    for megatron_opt in inner_optimizers(optimizer):
+        torch_opt = megatron_opt.optimizer
+        held = [bool(torch_opt.state.get(p)) for g in torch_opt.param_groups for p in g["params"]]
+        if all(held):
+            continue
+        ready = not any(held) and fresh_adam_state(torch_opt) and ready
+    return ready
+
+
 def fresh_adam_state(torch_opt: torch.optim.Optimizer) -> bool:
     """The per-parameter state torch's Adam/AdamW create at their first step (`_init_group`:
     `step` a float32 scalar, on the parameter's device only when fused or capturable, and

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 from ..failure.injector import FaultInjector
 from ..failure.progress import ProgressBoard
+from ..megatron.checkpointing import optimizer_state_ready
 from ..megatron.model import TrainState, train_state
 from ..megatron.stop_points import StopPoints
 from ..megatron.training import LoopHooks
@@ -27,6 +29,8 @@ from ..recovery.stages import ProcessRecovery, Protect, RecoveryOrdered
 from .guard import Guard
 
 log = logging.getLogger("deadpool.worker")
+
+START_REPLICAS_S = 60.0  # how long training waits for the ring to hold its start state
 
 _CURRENT: list[LoopHooks] = []
 
@@ -140,7 +144,37 @@ class ProtectedLoop(LoopHooks):
 
     # -- shared by the loops -------------------------------------------------------------------
     def start(self, state: TrainState, iteration: int) -> None:
-        """Generation 0's protection pipeline (collective), attached to the loop."""
+        """Generation 0's protection pipeline (collective), attached to the loop, with the
+        state training starts from snapshotted where the optimizer's state can be taken
+        before its first step."""
         p = self.position
         pipeline = None if self.protect is None else self.protect(state, p.on_gpu, 0, None)
+        if pipeline is not None:
+            self._protect_start(pipeline, state, iteration)
         p.attach(state, iteration, pipeline)
+
+    def _protect_start(self, pipeline, state: TrainState, iteration: int) -> None:
+        """Snapshot the state training starts from and wait until the ring holds it, so that
+        a failure anywhere in the first iteration rolls back to it (without, nothing could be
+        restored: no rank would hold a snapshot yet). A one-time wait of one replication;
+        given up, with a warning, after START_REPLICAS_S or when a recovery is ordered (the
+        loop obeys it at its first phase)."""
+        if not optimizer_state_ready(state.optimizer):
+            log.warning("no snapshot of iteration %d: this optimizer creates its state at its "
+                        "first step, so a failure before that step is not recovered in place "
+                        "(--deadpool-on-unrecoverable)", iteration)  # fmt: skip
+            return
+        started = time.perf_counter()
+        pipeline.protect_start(iteration)
+        while not pipeline.replicated(iteration):
+            try:
+                self.check_stop()
+            except RecoveryOrdered:
+                return
+            if time.perf_counter() - started > START_REPLICAS_S:
+                log.warning("iteration %d's replicas did not arrive within %.0f s; training "
+                            "starts without them", iteration, START_REPLICAS_S)  # fmt: skip
+                return
+            time.sleep(0.002)
+        log.info("iteration %d, where training starts, snapshotted and replicated in %.3f s",
+                 iteration, time.perf_counter() - started)  # fmt: skip

@@ -137,6 +137,28 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
         assert _replays(result) == done["replayed_iterations"]
 
 
+@pytest.mark.parametrize(
+    "spec, kind", [("kill@1:1:forward", "permanent"), ("raise@2:1:backward", "transient")]
+)
+def test_a_failure_in_the_first_iteration_rolls_back_to_the_state_training_started_from(
+    tmp_path, baseline_pp2, spec, kind
+):
+    # Before the first step no iteration's snapshot exists: every rank snapshots the state it
+    # starts from, and the ring holds it, before the first iteration. Without it, this job
+    # ended: "the live ranks share no committed snapshot iteration".
+    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1)
+    _assert_same_run(result, baseline_pp2)
+    victim = int(spec.split("@")[1].split(":")[0])
+    detected = _named(events, "failure_detected")
+    assert [(d["rank"], d["kind"]) for d in detected] == [(victim, kind)]
+    (done,) = _assert_recovered(events)
+    assert done["iteration"] == 0 and done["replayed_iterations"] <= 1, done
+    assert done["replaced"] == ({str(victim): "spare-0"} if kind == "permanent" else {})
+    started = re.findall(r"iteration 0, where training starts, snapshotted and replicated",
+                         result.output)  # fmt: skip
+    assert len(started) == 4, result.output[-3000:]
+
+
 def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
     # --deadpool-transport tcp (the default): rank 3 dies while its replication thread sends,
     # rank 0 fails transiently later; the new generation's ring is connected anew each time.

@@ -58,7 +58,8 @@ def test_deadpool_on_and_off_give_identical_training(tmp_path, baseline_3d):
     assert on.digest == baseline_3d.digest
     summaries = [line for line in on.output.splitlines() if "protection:" in line]
     assert len(summaries) == 8
-    assert all("10 snapshots" in line and "0 rejected" in line and "errors 0" in line
+    # 11: the state training starts from (iteration 0), then each of the 10 iterations'.
+    assert all("11 snapshots" in line and "0 rejected" in line and "errors 0" in line
                for line in summaries)  # fmt: skip
 
 
