@@ -340,19 +340,21 @@ def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2
     assert re.search(r"\[spare 1\] .*reserved while the spare was idle", result.output)
 
 
+@pytest.mark.parametrize("kill", ["kill@1:8", "kill@1:6:forward"])
 def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stops_with_it(
-    tmp_path, baseline_pp2
+    tmp_path, baseline_pp2, kill
 ):
     # Megatron-LM's requeue pattern: the same flags each time, --exit-interval 5 and --load of
     # the job's own --save. The first job trains 1-5 and exits; the second loads 5 and trains
     # to 10, the next multiple, losing rank 1 in iteration 8 to a spare: the spare starts from
     # the resumed iteration, and stops at 10 with the survivors because it reads the job's end
-    # from the store (from iteration 0, the flags alone would end it at 5). The third trains
-    # 11-12. Together: the uninterrupted 12-iteration run, bitwise.
+    # from the store (from iteration 0, the flags alone would end it at 5). Or in iteration 6,
+    # the first after the load: rolled back to the loaded state, snapshotted before it. The
+    # third trains 11-12. Together: the uninterrupted 12-iteration run, bitwise.
     ckpt = str(tmp_path / "ckpt")
     again = [*SHAPE_PP2, "--save", ckpt, "--load", ckpt, "--exit-interval", "5"]
     first = run_job(tmp_path, 4, again, name="first")
-    second, events = _run(tmp_path, 4, again, "kill@1:8", spares=1)
+    second, events = _run(tmp_path, 4, again, kill, spares=1)
     third = run_job(tmp_path, 4, again, name="third")
     for job in (first, second, third):
         assert job.returncode == 0, job.failure()
@@ -361,6 +363,8 @@ def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stop
     assert sorted(second.losses) == [6, 7, 8, 9, 10]
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"1": "spare-0"}
+    if kill.endswith(":6:forward"):
+        assert done["iteration"] == 5, done  # the loaded state
     assert "loaded checkpoint of iteration 10" in third.output
     assert sorted(third.losses) == [11, 12]
     assert {**first.losses, **second.losses, **third.losses} == baseline_pp2.losses
