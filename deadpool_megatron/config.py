@@ -85,6 +85,14 @@ class TrainingConfig:
         "first when --save is set; a job that loads it again trains to the next multiple.",
     )
 
+    exit_signal_handler: bool = knob(
+        False,
+        "On SIGTERM (Slurm's notice of a time limit or a cancel; deadpool-launch forwards it "
+        "to the workers), every rank stops after the same iteration, saves a checkpoint "
+        "with --save, and exits 0 (Megatron-LM's flag); a second signal to deadpool-launch "
+        "stops every process at once.",
+    )
+
     def end_iteration(self, start: int) -> int:
         """The iteration training stops after when it starts from iteration `start` (its
         --load's, or 0): --train-iters, or if sooner the first multiple of --exit-interval

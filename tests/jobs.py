@@ -109,13 +109,14 @@ def run_job_and_kill(
     tmp_path: Path,
     nproc: int,
     args: list[str],
-    victim_rank: int,
+    victim_rank: int | None,
     after_iteration: int,
     signum: int = signal.SIGKILL,
     spares: int = 0,
 ) -> tuple[JobResult, int, float]:
-    """Start a job, send `signum` to worker `victim_rank` from outside once `after_iteration`
-    is logged; returns the result, the victim's pid and the wall time of the signal."""
+    """Start a job, send `signum` to worker `victim_rank` (None: the launcher) from outside
+    once `after_iteration` is logged; returns the result, the victim's pid and the wall time
+    of the signal."""
     metrics = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
         launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares),
@@ -123,7 +124,7 @@ def run_job_and_kill(
         start_new_session=True,
     )  # fmt: skip
     lines: list[str] = []
-    victim_pid = None
+    victim_pid = proc.pid if victim_rank is None else None
     signalled_at = None
     deadline = time.monotonic() + JOB_TIMEOUT_S
     try:

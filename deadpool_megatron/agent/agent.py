@@ -113,6 +113,7 @@ class Agent:
         self.swap: HotSwap | None = None  # this start's hot-swaps (watch() makes it)
         self._hosted = Hosted(0, (), ())  # what the lease says this node hosts (a snapshot)
         self._stop_signal: int | None = None
+        self._signalled = False  # the workers were told to stop after an iteration
         p = settings.protection
         self.events = EventLog(
             p.deadpool_event_log, generation=lambda: self.ctx.generation if self.ctx else 0
@@ -308,11 +309,11 @@ class Agent:
                 self.ctx.generation, tuple(sorted(run.workers)),
                 run.pool.alive_ids(),
             )  # fmt: skip
-            if self._stop_signal is not None:
-                name = signal.Signals(self._stop_signal).name
-                log.info("received %s: forwarding it to every process", name)
-                self.children.terminate(self._stop_signal)
-                return 128 + self._stop_signal
+            signum, self._stop_signal = self._stop_signal, None
+            if signum is not None and not self._stop_after_iteration(signum, run):
+                log.info("received %s: forwarding it to every process", signal.Signals(signum).name)
+                self.children.terminate(signum)
+                return 128 + signum
             if time.monotonic() >= next_store_look:
                 next_store_look = time.monotonic() + STORE_LOOK_S
                 rc = self._look_at_the_job(run)
@@ -342,6 +343,21 @@ class Agent:
             if run.workers and all(c.proc.poll() == 0 for c in run.workers.values()):
                 return self.finish(run)
             time.sleep(POLL_S)
+
+    def _stop_after_iteration(self, signum: int, run: Run) -> bool:
+        """With --exit-signal-handler, the first SIGTERM goes to the workers alone: they stop
+        after the same iteration, save, and exit 0, and the job finishes as usual (its spares
+        told at the end). False: stop every process now (any other signal, or a second)."""
+        flags = self.settings.flags or {}
+        if signum != signal.SIGTERM or not flags.get("exit_signal_handler") or self._signalled:
+            return False
+        self._signalled = True
+        log.info("received SIGTERM: forwarding it to the workers, which stop after the same "
+                 "iteration%s (--exit-signal-handler); another signal stops every process now",
+                 " and save it" if flags.get("save") else "")  # fmt: skip
+        for child in run.workers.values():
+            child.kill(signal.SIGTERM)
+        return True
 
     def _look_at_the_job(self, run: Run) -> int | None:
         """What other nodes did or lost: a restart to join, this node counted lost, another

@@ -186,10 +186,18 @@ class AbortableWork(OpenWork):
 
 
 def _collective(fn):
+    at = _param_position(fn, "async_op")
+
     @functools.wraps(fn)
-    def call(*args, async_op: bool = False, **kwargs):
+    def call(*args, **kwargs):
         _check()
-        work = fn(*args, async_op=True, **kwargs)
+        # Posted asynchronously whatever the caller asked, by name or by position (Megatron-LM's
+        # signal handler passes `async_op` positionally to all_gather).
+        if at is not None and at < len(args):
+            async_op, args = args[at], (*args[:at], True, *args[at + 1 :])
+        else:
+            async_op, kwargs = kwargs.pop("async_op", False), {**kwargs, "async_op": True}
+        work = fn(*args, **kwargs)
         if work is None:  # this rank is not in the group
             return None
         wrapped = AbortableWork(work, False, fn.__name__, _group(fn, args, kwargs), _caller())
@@ -233,8 +241,12 @@ def _group(fn, args: tuple, kwargs: dict):
 
 @functools.cache
 def _group_position(fn) -> int | None:
+    return _param_position(fn, "group")
+
+
+def _param_position(fn, name: str) -> int | None:
     params = list(inspect.signature(fn).parameters)
-    return params.index("group") if "group" in params else None
+    return params.index(name) if name in params else None
 
 
 @functools.cache

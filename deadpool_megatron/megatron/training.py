@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -92,8 +93,11 @@ class Trainer:
         iteration: int = 0,
         pipeline: ProtectionPipeline | None = None,
         end_iteration: int | None = None,
+        exit_signal: Callable[[], bool] | None = None,
     ):
+        """`exit_signal()`: whether this process received --exit-signal-handler's signal."""
         self.cfg = cfg
+        self.exit_signal = exit_signal
         # Where training stops, fixed by where this job started (a spare that takes a rank
         # over is handed the job's: it starts from the resumed iteration, not the --load's).
         self.end_iteration = (
@@ -193,6 +197,12 @@ class Trainer:
                 self.async_queue.maybe_finalize_async_calls(blocking=False)
             if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                 self._save()
+            if self.exit_signal is not None and self._signalled():
+                if self.is_logging_rank:
+                    log.info("exit signal received (--exit-signal-handler): every rank stops "
+                             "after iteration %d%s", self.iteration,
+                             ", saving it" if c.save else " (no --save: nothing is saved)")  # fmt: skip
+                break
         # Megatron's save at the end is part of training: a failure during it (or during the
         # last periodic one) is recovered like one during any other save, the survivors rolling
         # back to the last snapshot, and the save runs again unless the tracker shows it done.
@@ -201,6 +211,14 @@ class Trainer:
             self._save()
             self.finalize_saves()
         self.hooks.after_training(self.iteration)
+
+    def _signalled(self) -> bool:
+        """Has any rank received the exit signal? One all-reduce over every rank, so that
+        all of them stop after the same iteration."""
+        device = torch.cuda.current_device() if self.on_gpu else "cpu"
+        flag = torch.tensor([int(self.exit_signal())], dtype=torch.int32, device=device)
+        self.dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _log_iteration(self, loss: float | None, elapsed_ms: float) -> None:
         t = self.cfg.training

@@ -22,6 +22,7 @@ _SHARED_FLAGS: tuple[tuple[str, type | None, object], ...] = (
     ("--global-batch-size", int, None),
     ("--train-iters", int, None),
     ("--exit-interval", int, None),
+    ("--exit-signal-handler", None, False),
     ("--seed", int, 1234),
     ("--save", str, None),
     ("--load", str, None),

@@ -28,6 +28,7 @@ from ..megatron.training import Trainer
 from ..recovery.abort import CommunicatorAbort
 from ..recovery.stages import ProcessRecovery, RecoveryFailed
 from ..runtime import ProcessEnv, freeze_imports
+from .exit_signal import ExitSignal
 from .guard import Guard, restart_faults
 from .protection import build_pipeline
 from .session import ProtectedLoop
@@ -125,7 +126,8 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
         progress, guard, recovery, partial(_protect, cfg, env, guard) if dpc.deadpool else None,
         faults=faults,
     )  # fmt: skip
-    make_trainer = partial(_trainer, cfg, env, session)
+    exit_signal = ExitSignal() if cfg.training.exit_signal_handler else None
+    make_trainer = partial(_trainer, cfg, env, session, exit_signal=exit_signal)
     if takeover is not None:
         end = guard.client.training_end()  # the job's, not where this spare starts from
         if end is None:
@@ -176,9 +178,10 @@ def _trainer(
     on_gpu: bool,
     iteration: int = 0,
     end_iteration: int | None = None,
+    exit_signal: ExitSignal | None = None,
 ) -> Trainer:
     trainer = Trainer(cfg, state, env.world_size, on_gpu, session, iteration,
-                      end_iteration=end_iteration)  # fmt: skip
+                      end_iteration=end_iteration, exit_signal=exit_signal)  # fmt: skip
     session.bind(trainer)
     return trainer
 

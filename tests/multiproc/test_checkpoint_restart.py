@@ -4,10 +4,13 @@ state equals the failure-free run's, bit for bit."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from deadpool_megatron.events import read_events
-from jobs import ROOT, run_job
+from deadpool_megatron.megatron.checkpointing import latest_iteration
+from jobs import ROOT, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -124,3 +127,37 @@ def test_a_load_the_ranks_cannot_use_ends_the_job_with_one_error_not_a_recovery(
                                                      "failure_detected")]  # fmt: skip
     (ended,) = [e for e in events if e["event"] == "job_ended"]
     assert ended["status"] == 2 and "refused its input" in ended["reason"]
+
+
+def test_sigterm_with_the_exit_signal_handler_saves_the_iteration_every_rank_stopped_after(
+    tmp_path, baseline
+):
+    # Slurm's notice of a time limit: SIGTERM to deadpool-launch once iteration 4 is logged.
+    # The workers stop after one same iteration, save it and exit 0; the launcher ends 0, its
+    # spare with the job. The same command again loads that iteration and trains to 12:
+    # together, the uninterrupted run, bitwise. Without the flag, the signal ends every
+    # process at once (143) and the iterations since the last save are lost.
+    ckpt = str(tmp_path / "ckpt")
+    job = [*SHAPE_PP2, "--deadpool", "--log-interval", "1", "--save", ckpt, "--load", ckpt]
+    args = [*job, "--exit-signal-handler"]
+    first, _, _ = run_job_and_kill(tmp_path, 4, args, None, 4, signal.SIGTERM, spares=1)
+    assert first.returncode == 0, first.failure()
+    stopped = latest_iteration(ckpt)
+    assert stopped is not None and 4 <= stopped < 12, first.output[-3000:]
+    assert sorted(first.losses) == list(range(1, stopped + 1))
+    assert f"every rank stops after iteration {stopped}, saving it" in first.output
+    assert "spare 0: job finished, exiting" in first.output
+    assert "Traceback" not in first.output
+    second = run_job(tmp_path, 4, args, name="second")
+    assert second.returncode == 0, second.failure()
+    assert f"loaded checkpoint of iteration {stopped}" in second.output
+    assert {**first.losses, **second.losses} == baseline.losses
+    assert second.digest == baseline.digest
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in (tmp_path / "ckpt").iterdir():  # a fresh --save: nothing to load
+        f.rename(plain / f.name)
+    cut, _, _ = run_job_and_kill(tmp_path, 4, job, None, 4, signal.SIGTERM)
+    assert cut.returncode == 128 + signal.SIGTERM, cut.failure()
+    assert latest_iteration(ckpt) is None  # nothing was saved

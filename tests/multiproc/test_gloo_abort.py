@@ -48,3 +48,16 @@ def test_an_abort_while_all_reduces_run_rarely_leaves_one_pending(tmp_path, run_
     outs = run_drivers(driver, [[str(r), str(tmp_path / "store"), "100"] for r in range(2)], 400)
     assert sum(o["stuck"] for o in outs) <= 8, outs
     assert all(o["cut"] >= 100 for o in outs), outs  # every round cut its group's connection
+
+
+def test_the_interruptible_view_takes_async_op_and_group_by_name_or_by_position(
+    tmp_path, run_drivers
+):
+    # Megatron-LM's signal handler calls all_gather(outs, tensor, group, async_op): the view
+    # took async_op by name only ("got multiple values for argument 'async_op'").
+    driver = ROOT / "tests" / "drivers" / "view_calls_driver.py"
+    outs = run_drivers(driver, [[str(r), str(tmp_path / "store")] for r in range(2)], 120)
+    for out in outs:
+        assert out == {"positional_sync": None, "gathered": [1.0, 2.0],
+                       "positional_async": [10.0, 11.0], "keyword_sync": 3.0,
+                       "default_group": 1.0}, out  # fmt: skip

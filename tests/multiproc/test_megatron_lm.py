@@ -14,8 +14,10 @@ import importlib.util
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,43 @@ def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recov
     assert exited_final["state_digest"] == free_final["state_digest"]
     assert "injecting kill@1:8:finish" in output and "spare 0 claimed" not in output
     assert "rank(s) [0, 2, 3] finished training before rank(s) [1] failed" in output
+
+
+def test_upstream_exit_signal_handler_stops_every_rank_after_one_iteration_and_saves_it(
+    megatron_lm, failure_free, tmp_path
+):
+    # SIGTERM to deadpool-launch once iteration 4 is logged (Slurm's notice of a time limit).
+    # With Megatron-LM's --exit-signal-handler the launcher forwards it to the workers alone:
+    # Megatron-LM's own handler stops them after one iteration, they save it and leave
+    # pretrain(), and the job ends 0 with its spare.
+    losses, _ = failure_free
+    metrics, save = tmp_path / "signalled.jsonl", tmp_path / "ckpt"
+    cmd = [
+        sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
+        "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
+        "--exit-signal-handler", "--save", str(save), "--save-interval", "100",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": _this_python_first(megatron_lm.parent)}
+    log = tmp_path / "signalled.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=megatron_lm, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not (metrics.exists() and 4 in read_metrics(str(metrics))[0]):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=JOB_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 0, output[-6000:]
+    stopped = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 4 <= stopped < 12, output[-3000:]
+    got, _ = read_metrics(str(metrics))
+    assert got == {i: losses[i] for i in range(1, stopped + 1)}
+    assert "exiting program after receiving SIGTERM" in output
+    assert "spare 0: job finished, exiting" in output
