@@ -233,8 +233,18 @@ class Server(ForkingLoop):
             os._exit(1)
 
 
+def ignore_stop_signals() -> None:
+    """The server is its agent's tool: it ends when the agent's socket closes, not on a signal
+    meant for the job (Slurm signals every process of a step, this one too, and its children
+    die with it: a SIGTERM the workers are to stop gracefully on would kill them)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> None:
     """Set the forked child up as `python -u argv[0] ...` would start, then run the script."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter has them
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.dup2(stdout_fd, 1)
     os.dup2(stdout_fd, 2)
     os.close(stdout_fd)
@@ -319,6 +329,7 @@ def main(argv: list[str]) -> None:
         sys.path[0] = argv[2]
     sock = socket.socket(fileno=fd)
     die_with_parent()
+    ignore_stop_signals()
     done = preload(modules)
     reason = unfit_to_fork()
     if reason is not None:

@@ -41,6 +41,7 @@ from .forkserver import (
     decode,
     encode,
     end_server,
+    ignore_stop_signals,
     preload,
     run_child,
     server_env,
@@ -165,7 +166,7 @@ class Zygote(ForkingLoop):
         """In the forked server: drop everything of the zygote's, take a session of its own
         (the agent signals its children, never it, by group), and outlive the zygote."""
         self.drop()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ignore_stop_signals()  # the zygote's SIGTERM handler is not the server's
         os.setsid()
 
 

@@ -23,6 +23,7 @@ from ..control.messages import SpareAssignment, spare_id
 from ..errors import DeadpoolError
 from ..events import SPARE_REGISTERED, EventLog
 from ..runtime import ROLE_WORKER, ProcessEnv, freeze_imports
+from .exit_signal import ExitSignal
 from .prebuilds import SparePrebuilds
 from .reserve import SpareReserve
 
@@ -66,12 +67,17 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
         iteration=lambda: 0,
     )
 
+    # SIGTERM while idle (the agent stopping its children, or Slurm signalling every process
+    # of a step): leave cleanly, status 0, which the pool does not replace.
+    stop = ExitSignal()
     reserve = SpareReserve(client.footprint, env.world_size)
     prebuilds = spare_prebuilds(cfg, env, client) if become is None else None
 
     def finished() -> None:
+        if stop():
+            raise JobFinished("stopped by SIGTERM")
         if client.job_finished():
-            raise JobFinished("the job finished")
+            raise JobFinished("job finished")
         reserve.poll()
         if prebuilds is not None:
             prebuilds.poll()
@@ -79,10 +85,11 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
     try:
         order = ctx.wait_for(keys.assignment(ctx.job, me), SpareAssignment, interrupt=finished,
                              interval_s=poll_s)  # fmt: skip
-    except JobFinished:
+    except JobFinished as why:
         client.close()
-        log.info("spare %d: job finished, exiting", env.spare_index)
+        log.info("spare %d: %s, exiting", env.spare_index, why)
         return 0
+    stop.restore()  # a worker's SIGTERM is a worker's
     log.info(
         "spare %d claimed: takes over rank %d in generation %d",
         env.spare_index, order.rank, order.generation,

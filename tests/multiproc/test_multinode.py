@@ -180,6 +180,50 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
     assert set(left.values()) == {0}, left
 
 
+def test_sbatch_signalled_with_the_exit_signal_handler_saves_where_every_rank_stopped(
+    tmp_path, slurm, baseline_long
+):
+    # What Slurm does before a time limit (sbatch --signal=TERM@N) or on scancel --signal:
+    # SIGTERM to every process of the step, agents, fork servers, workers and the spare node's
+    # spares alike. With --exit-signal-handler the workers stop after one same iteration and
+    # save it, the spares leave with status 0, the fork servers (whose death would kill the
+    # workers) ignore it, the shells around the agents wait for them: the job ends COMPLETED.
+    run_dir = tmp_path / "run"
+    metrics = tmp_path / "metrics.jsonl"
+    ckpt = tmp_path / "ckpt"
+    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="1", DEADPOOL_GPU="0",
+               PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
+               MASTER_PORT=str(free_port()), TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
+    # Without the session's zygote: each agent's fork server is in the step, and signalled.
+    submit = slurm.run(
+        "env", "-u", ENV_FORK_ZYGOTE, *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
+        "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", "--nodes=4",
+        f"--output={tmp_path}/batch.out", str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"),
+        *LONG, "--save", str(ckpt), "--exit-signal-handler", "--metrics-jsonl", str(metrics),
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and 5 in read_metrics(str(metrics))[0]):
+        assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text()
+        time.sleep(0.05)
+    signalled = slurm.run("scancel", "--signal=TERM", job)
+    assert signalled.returncode == 0, signalled.stderr
+    state = slurm.wait_job(job, 300)
+    out = (tmp_path / "batch.out").read_text()
+    logs = _logs(run_dir)
+    assert state == "COMPLETED", out + logs[-6000:]
+    assert f"(slurm-{job}) finished (srun status 0)" in out, out
+    stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert 5 <= stopped < 120, logs[-4000:]
+    losses, final = read_metrics(str(metrics))
+    assert losses == {i: baseline_long.losses[i] for i in range(1, stopped + 1)}
+    assert final["iteration"] == stopped
+    assert f"every rank stops after iteration {stopped}, saving it" in logs
+    assert logs.count("stopped by SIGTERM, exiting") == 2, logs[-4000:]  # the spare node's
+    assert "classified" not in logs and "Traceback" not in logs, logs[-4000:]
+
+
 def _logs(run_dir) -> str:
     """Every node agent's log under the Slurm script's run directory, in node order."""
     return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))
