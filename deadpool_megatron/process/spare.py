@@ -74,7 +74,9 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
     prebuilds = spare_prebuilds(cfg, env, client) if become is None else None
 
     def finished() -> None:
-        if stop():
+        # Claimed already: take the rank over (a recovery in flight must end for the workers
+        # to stop and save); the worker it becomes stops with them.
+        if stop() and ctx.get(keys.assignment(ctx.job, me), SpareAssignment) is None:
             raise JobFinished("stopped by SIGTERM")
         if client.job_finished():
             raise JobFinished("job finished")
