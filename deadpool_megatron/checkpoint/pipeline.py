@@ -181,18 +181,16 @@ class ProtectionPipeline:
                         "%d yet (newest replica: %d)",
                         self.stats.lag_last, iteration, self._previous, min(replicated),
                     )  # fmt: skip
-        self._previous = iteration
-        meta = self.state.capture_metadata(iteration, self.metadata)
-        self.snapshotter.start(iteration, meta)
-        self.stats.snapshots += 1
+        self.protect_start(iteration)
         self.stats.stall_s.append(self._fenced_s + time.perf_counter() - started)
         self._fenced_s = 0.0
 
     def protect_start(self, iteration: int) -> None:
-        """Snapshot the state training starts from (`iteration`, before its first step), so
-        that a failure in the first iteration rolls back to it like any later one; the copy
-        overlaps that iteration's compute, and the fence holds its optimizer step until the
-        copy is done."""
+        """Start the snapshot of `iteration`, regardless of the interval: `after_step`'s for
+        an iteration it protects, and the loop's for the state training starts from (before
+        its first step), so that a failure in the first iteration rolls back to it like any
+        later one. The copy overlaps the next iteration's compute, and the fence holds that
+        iteration's optimizer step until the copy is done."""
         self._previous = iteration
         self.snapshotter.start(iteration, self.state.capture_metadata(iteration, self.metadata))
         self.stats.snapshots += 1

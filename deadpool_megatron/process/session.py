@@ -19,6 +19,8 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
+from ..control.store import StoreTimeout
+from ..control.wait import wait_until
 from ..failure.injector import FaultInjector
 from ..failure.progress import ProgressBoard
 from ..megatron.checkpointing import optimizer_state_ready
@@ -166,15 +168,14 @@ class ProtectedLoop(LoopHooks):
             return
         started = time.perf_counter()
         pipeline.protect_start(iteration)
-        while not pipeline.replicated(iteration):
-            try:
-                self.check_stop()
-            except RecoveryOrdered:
-                return
-            if time.perf_counter() - started > START_REPLICAS_S:
-                log.warning("iteration %d's replicas did not arrive within %.0f s; training "
-                            "starts without them", iteration, START_REPLICAS_S)  # fmt: skip
-                return
-            time.sleep(0.002)
+        try:  # check_stop() raises RecoveryOrdered, else is None
+            wait_until(lambda: self.check_stop() or pipeline.replicated(iteration) or None,
+                       START_REPLICAS_S, f"iteration {iteration}'s replicas", interval_s=0.002)  # fmt: skip
+        except RecoveryOrdered:
+            return
+        except StoreTimeout:
+            log.warning("iteration %d's replicas did not arrive within %.0f s; training "
+                        "starts without them", iteration, START_REPLICAS_S)  # fmt: skip
+            return
         log.info("iteration %d, where training starts, snapshotted and replicated in %.3f s",
                  iteration, time.perf_counter() - started)  # fmt: skip
