@@ -1,5 +1,5 @@
-"""Polling for a condition in tests that watch threads or sockets settle, and how long a test
-waits for a store connection."""
+"""Polling for a condition in tests that watch threads or sockets settle, how long a test
+waits for a store connection, and a fake clock for code that waits with an injectable one."""
 
 from __future__ import annotations
 
@@ -22,3 +22,16 @@ def until(what: Callable[[], object], timeout_s: float = 10.0, interval_s: float
             return False
         time.sleep(interval_s)
     return True
+
+
+class FakeClock:
+    """`clock()` reads the time; `sleep(s)` advances it (what a waiting loop is handed)."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds

@@ -80,28 +80,42 @@ def _agent_of(job_id: str, node: int) -> psutil.Process | None:
     return None
 
 
+def _sbatch(slurm, tmp_path, run_dir, nodes: int, spare_nodes: int, args: list[str], *,
+            zygote: bool, sbatch_args: tuple[str, ...] = ()) -> str:  # fmt: skip
+    """Submit the Slurm script with our pretrain_gpt.py on CPU (even if MEGATRON_LM_DIR is
+    set), its batch output in tmp_path/batch.out; returns the job id. Without `zygote` each
+    agent starts its own fork server, in its process tree and its step."""
+    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES=str(spare_nodes),
+               DEADPOOL_GPU="0", PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT),
+               DEADPOOL_RUN_DIR=str(run_dir), MASTER_PORT=str(free_port()),
+               TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
+    submit = slurm.run(
+        "env", *(() if zygote else ("-u", ENV_FORK_ZYGOTE)),
+        *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
+        "sbatch", "--parsable", *sbatch_args, "--constraint=", "--gpus-per-node=0",
+        f"--nodes={nodes}", f"--output={tmp_path}/batch.out",
+        str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"), *args,
+    )  # fmt: skip
+    assert submit.returncode == 0, submit.stderr
+    return submit.stdout.strip().split(";")[0]
+
+
+def _wait_for_iteration(tmp_path, metrics, iteration: int) -> None:
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and iteration in read_metrics(str(metrics))[0]):
+        assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text()
+        time.sleep(0.05)
+
+
 def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slurm, baseline):
     run_dir = tmp_path / "run"
     metrics = tmp_path / "metrics.jsonl"
     log = tmp_path / "events.jsonl"
-    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="1", DEADPOOL_GPU="0",
-               PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
-               MASTER_PORT=str(free_port()),
-               TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # ours, even if MEGATRON_LM_DIR is set  # fmt: skip
     # Without the session's zygote (multiproc/conftest.py): the node's fork server must be
     # in its agent's process tree, which the node's loss below kills.
-    submit = slurm.run(
-        "env", "-u", ENV_FORK_ZYGOTE, *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
-        "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", "--nodes=4",
-        f"--output={tmp_path}/batch.out", str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"),
-        *SHAPE, "--metrics-jsonl", str(metrics), "--deadpool-event-log", str(log),
-    )  # fmt: skip
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and 5 in read_metrics(str(metrics))[0]):
-        assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text()
-        time.sleep(0.05)
+    job = _sbatch(slurm, tmp_path, run_dir, 4, 1, [*SHAPE, "--metrics-jsonl", str(metrics),
+                  "--deadpool-event-log", str(log)], zygote=False)  # fmt: skip
+    _wait_for_iteration(tmp_path, metrics, 5)
     agent = _agent_of(job, 1)
     assert agent is not None
     # Node 1's task (the shell around its agent), the agent and every process on it, at once.
@@ -136,20 +150,14 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
     run_dir = tmp_path / "run"
     metrics = tmp_path / "metrics.jsonl"
     ckpt = str(tmp_path / "ckpt")
-    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="0", DEADPOOL_GPU="0",
-               PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
-               MASTER_PORT=str(free_port()), TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
     try:
-        submit = slurm.run(
-            *(["env", *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF")]),
-            "sbatch", "--parsable", "--requeue", "--constraint=", "--gpus-per-node=0",
-            "--nodes=3", f"--output={tmp_path}/batch.out",
-            str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"), *SHAPE,
-            "--save", ckpt, "--load", ckpt, "--exit-interval", "7", "--deadpool-store", "etcd",
-            "--deadpool-etcd-endpoints", etcd.endpoints, "--metrics-jsonl", str(metrics),
+        job = _sbatch(
+            slurm, tmp_path, run_dir, 3, 0,
+            [*SHAPE, "--save", ckpt, "--load", ckpt, "--exit-interval", "7",
+             "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd.endpoints,
+             "--metrics-jsonl", str(metrics)],
+            zygote=True, sbatch_args=("--requeue",),
         )  # fmt: skip
-        assert submit.returncode == 0, submit.stderr
-        job = submit.stdout.strip().split(";")[0]
         first = slurm.wait_job(job, 300)
         out = (tmp_path / "batch.out").read_text()
         assert first == "COMPLETED", out + _logs(run_dir)[-6000:]
@@ -191,22 +199,10 @@ def test_sbatch_signalled_with_the_exit_signal_handler_saves_where_every_rank_st
     run_dir = tmp_path / "run"
     metrics = tmp_path / "metrics.jsonl"
     ckpt = tmp_path / "ckpt"
-    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES="1", DEADPOOL_GPU="0",
-               PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir),
-               MASTER_PORT=str(free_port()), TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
     # Without the session's zygote: each agent's fork server is in the step, and signalled.
-    submit = slurm.run(
-        "env", "-u", ENV_FORK_ZYGOTE, *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
-        "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", "--nodes=4",
-        f"--output={tmp_path}/batch.out", str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"),
-        *LONG, "--save", str(ckpt), "--exit-signal-handler", "--metrics-jsonl", str(metrics),
-    )  # fmt: skip
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and 5 in read_metrics(str(metrics))[0]):
-        assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text()
-        time.sleep(0.05)
+    job = _sbatch(slurm, tmp_path, run_dir, 4, 1, [*LONG, "--save", str(ckpt),
+                  "--exit-signal-handler", "--metrics-jsonl", str(metrics)], zygote=False)  # fmt: skip
+    _wait_for_iteration(tmp_path, metrics, 5)
     signalled = slurm.run("scancel", "--signal=TERM", job)
     assert signalled.returncode == 0, signalled.stderr
     state = slurm.wait_job(job, 300)

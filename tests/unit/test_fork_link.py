@@ -11,20 +11,10 @@ import socket
 import threading
 
 import pytest
+from waiting import FakeClock
 
 from deadpool_megatron.agent.forks import ForkServerUnavailable, ServerLink
 from deadpool_megatron.agent.forkserver import MAX_MESSAGE, Request, decode, encode
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, s: float) -> None:
-        self.now += s
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ alike launches go on, unlike ones are refused by every agent, a node that never 
 named; node 0, which may host the store, waits for the others to have read before it ends."""
 
 import pytest
+from waiting import FakeClock
 
 from deadpool_megatron.agent.launches import COMPARED_WAIT_S, compare_launches
 from deadpool_megatron.control import keys
@@ -15,17 +16,6 @@ pytestmark = pytest.mark.timeout(60)
 JOB = "job-7"
 SHAPE = {"script": "pretrain_gpt.py", "nnodes": 2, "spare_nodes": 0, "nproc_per_node": 4,
          "spares": 1, "restart_policy": "hotswap", "max_restarts": 10}  # fmt: skip
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def _launch(node: int, train_iters: int = 14) -> NodeLaunch:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from test_reuse import NBYTES, OneTensor, Predecessor
+from waiting import FakeClock
 
 from deadpool_megatron.checkpoint.buffers import (
     ALIGN,
@@ -64,15 +65,7 @@ def test_a_pipeline_built_on_its_own_footprint_allocates_nothing_beyond_the_aren
         second.abort(timeout=30)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _reserve(store: dict, clock: Clock, world: int = 3, available: int = 2**30, **kw):
+def _reserve(store: dict, clock: FakeClock, world: int = 3, available: int = 2**30, **kw):
     asked: list[int] = []
 
     def footprint(rank: int):
@@ -83,7 +76,7 @@ def _reserve(store: dict, clock: Clock, world: int = 3, available: int = 2**30, 
 
 
 def test_the_reserve_waits_for_every_rank_then_takes_the_largest_once():
-    store, clock = {0: HostFootprint((4096, 4096), False)}, Clock()
+    store, clock = {0: HostFootprint((4096, 4096), False)}, FakeClock()
     reserve, asked = _reserve(store, clock)
     reserve.poll()
     assert asked == [0, 1] and reserve.arena is None and not reserve.settled
@@ -108,7 +101,7 @@ def test_the_reserve_waits_for_every_rank_then_takes_the_largest_once():
     ],
 )
 def test_no_reserve_when_memory_is_short_or_pinned_memory_cannot_be_had(footprint, kw, why, caplog):
-    reserve, _ = _reserve({0: footprint}, Clock(), world=1, **kw)
+    reserve, _ = _reserve({0: footprint}, FakeClock(), world=1, **kw)
     reserve.poll()
     assert reserve.settled and reserve.arena is None and why in caplog.text
 
