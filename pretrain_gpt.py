@@ -17,10 +17,10 @@ from deadpool_megatron.megatron.arguments import parse_job_args
 def main(argv: list[str] | None = None) -> int:
     from deadpool_megatron.process.entry import run_process
 
-    def train(cfg, env) -> int:
+    def train(cfg, env, exit_signal) -> int:
         from deadpool_megatron.process.worker import run_worker
 
-        return run_worker(cfg, env)
+        return run_worker(cfg, env, exit_signal=exit_signal)
 
     return run_process(lambda env: parse_job_args(argv, env.world_size), train)
 

@@ -32,7 +32,7 @@ from ..control.monitor import Monitor
 from ..control.store import StoreTimeout
 from ..control.wait import wait_until
 from ..events import FENCED, EventLog
-from ..recovery.coordinator import Coordinator, OrderExists
+from ..recovery.coordinator import Coordinator, OrderExists, Recovery, SpareUnavailable
 from ..recovery.placement import order_spares
 from ..recovery.plan import TrainingFinished, Unrecoverable
 from .children import Child
@@ -48,6 +48,7 @@ FOLLOW_POLL_S = 0.02
 NODE_LOOK_S = 0.1  # other nodes' leases, read during a gather
 SPARE_START_WAIT_S = 120.0  # a recovery short of spares waits this long for starting ones
 SPARE_POLL_S = 0.2
+MAX_PLANS = 8  # plans tried when a planned spare cannot be claimed (each try leaves it out)
 
 
 @dataclass
@@ -127,12 +128,7 @@ class HotSwap:
             finished=lambda r: self._rank_finished(r, rec.generation),
         )
         try:
-            # Ranks that finished beside live ones are replaced too (plan_recovery); when no
-            # rank is live, nothing is (it answers that training finished).
-            free, prebuilt = self._spares_for(
-                rec.generation, rec.permanent | rec.finished
-            ) if held else ([], {})  # fmt: skip
-            plan = coordinator.decide(rec, held, free, prebuilt)
+            plan = self._decide(rec, held)
         except TrainingFinished as err:
             log.warning("no recovery into generation %d: %s; the job ends as finished",
                         rec.generation, err)  # fmt: skip
@@ -148,6 +144,22 @@ class HotSwap:
             return Stop(False, f"unrecoverable: {err}")
         self.adopt(plan)
         return None
+
+    def _decide(self, rec: Recovery, held: dict) -> RecoveryPlan:
+        """Plan with the free spares; a spare that withdrew (or that an earlier generation
+        holds) between the look and its claim is left out of the next look, so this ends."""
+        for _ in range(MAX_PLANS):
+            # Ranks that finished beside live ones are replaced too (plan_recovery); when no
+            # rank is live, nothing is (it answers that training finished).
+            free, prebuilt = self._spares_for(
+                rec.generation, rec.permanent | rec.finished
+            ) if held else ([], {})  # fmt: skip
+            try:
+                return self.coordinator.decide(rec, held, free, prebuilt)
+            except SpareUnavailable as err:
+                log.warning("recovery into generation %d: %s; planning again",
+                            rec.generation, err)  # fmt: skip
+        raise Unrecoverable(f"no plan's spares could be claimed in {MAX_PLANS} tries")
 
     def _rank_finished(self, rank: int, generation: int) -> bool:
         if rank in self.run.workers:
@@ -198,10 +210,13 @@ class HotSwap:
         """The spares free to take over, in the order the plan should use them (by node, and
         among a node's, one that built the failed rank's model first), and the ranks each
         can take over with what it built while idle (read once, for the order and the plan)."""
-        current = MembershipStore(self.kv, self.ctx.job).current()
+        membership = MembershipStore(self.kv, self.ctx.job)
+        current = membership.current()
         local = {spare_id(c.index): c for c in self.run.pool.idle}
         free: dict[str, int | None] = {}
         for sid in self._candidates(current.spares, local):
+            if not membership.claimable(sid, current.generation, self.coordinator.claimer):
+                continue  # it withdrew (SIGTERM), or a claim whose commit lost holds it
             if sid in local:
                 if local[sid].alive():
                     free[sid] = self.node

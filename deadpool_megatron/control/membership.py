@@ -14,6 +14,8 @@ from .store import KVStore
 
 __all__ = ["Member", "Membership", "MembershipError", "MembershipStore", "StaleGeneration"]
 
+WITHDRAWN = "withdrawn"  # the claimer named in the claim key of a spare that took itself out
+
 
 class StaleGeneration(MembershipError):
     """A write by a process whose generation is not the current one was refused."""
@@ -106,8 +108,10 @@ class MembershipStore:
     ) -> bool:
         """Atomically claim a free spare for a swap planned in `by_generation`.
 
-        True for exactly one of any number of concurrent claimers. A claim whose commit then
-        loses leaves the spare marked as claimed by that generation (visible in its claim key).
+        True for exactly one of any number of concurrent claimers, and again for the claim
+        the same claimer holds in the same generation (a coordinator planning again). False
+        when the spare withdrew (`withdraw_spare`) or someone else claimed it: a claim whose
+        commit then lost leaves the spare marked as claimed by that generation (its claim key).
         `joined`: spares that registered after this generation's membership was committed (a
         replenished pool); the caller saw their registrations.
         """
@@ -120,7 +124,24 @@ class MembershipStore:
                 f"(free: {list(view.spares)})"
             )
         claim = Claim(claimer, by_generation)
-        ok, _ = self._store.compare_and_swap(
+        ok, held = self._store.compare_and_swap(
             keys.spare_claim(self._job, spare_id), None, claim.encode()
         )
+        if ok:
+            return True
+        return held is not None and Claim.decode(held) == claim
+
+    def withdraw_spare(self, spare_id: str) -> bool:
+        """The spare takes itself out (SIGTERM while idle), by the same first-writer-wins key
+        a claim takes: True if no recovery can claim it any more, False if one already has
+        (then it must take its rank over: the recovery waits for it)."""
+        ok, _ = self._store.compare_and_swap(
+            keys.spare_claim(self._job, spare_id), None, Claim(WITHDRAWN, -1).encode()
+        )
         return ok
+
+    def claimable(self, spare_id: str, by_generation: int, claimer: str) -> bool:
+        """Whether `claim_spare` could still give `claimer` this spare: nobody claimed it, or
+        this claimer did in this generation. Not if it withdrew or another claim holds it."""
+        held = self._store.get(keys.spare_claim(self._job, spare_id))
+        return held is None or Claim.decode(held) == Claim(claimer, by_generation)

@@ -8,6 +8,8 @@ The only module that touches `megatron.training`; imported only by a patched Meg
 from __future__ import annotations
 
 import argparse
+import signal
+from collections.abc import Callable
 
 from ..config import JobConfig, check_model_parallel, validate_deadpool
 from ..errors import ConfigError
@@ -89,6 +91,37 @@ def reset_global_state() -> None:
 
     destroy_global_state()
     destroy_distributed()
+
+
+def exit_signal_noted() -> Callable[[], bool] | None:
+    """Whether Megatron-LM's current --exit-signal-handler handler has received its signal, as
+    a question to ask later; None without one. destroy_global_state drops the handler without
+    releasing it, so it stays installed and noting until pretrain() installs the next one,
+    which starts unaware: what the dropped one noted must be carried over."""
+    from megatron.training import global_vars
+
+    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    if handler is None:
+        return None
+    return lambda: bool(getattr(handler, "_signal_received", False))
+
+
+def exit_signal_number() -> int | None:
+    """The signal Megatron-LM's current handler waits for (--exit-signal), or None."""
+    from megatron.training import global_vars
+
+    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    return None if handler is None else int(handler.sig)
+
+
+def resend_exit_signal() -> bool:
+    """Raise Megatron-LM's exit signal in this process, so that its current handler notes it
+    (its loop asks only that one); False without a handler."""
+    number = exit_signal_number()
+    if number is None:
+        return False
+    signal.raise_signal(number)
+    return True
 
 
 def set_position(iteration: int) -> None:

@@ -1,7 +1,9 @@
 """The process side of a training script started by deadpool-launch, for our pretrain_gpt.py
 and patched Megatron-LM's alike: parse the command line (a bad value ends the process with
 status 2 and one message, before anything heavy is imported), answer the launcher's preflight,
-then wait as a spare or train as a worker. Bad input found later (a checkpoint under --load,
+then wait as a spare or train as a worker. With --exit-signal-handler, SIGTERM is noted from
+here on (before the heavy imports and the set-up), so a Slurm notice that comes early is not a
+death. Bad input found later (a checkpoint under --load,
 the data) ends the process the same way, and deadpool-launch ends the job on that status
 rather than hot-swapping the rank."""
 
@@ -14,8 +16,10 @@ from ..config import JobConfig
 from ..errors import CheckpointError, ConfigError
 from ..logging_setup import setup_logging
 from ..runtime import ROLE_SPARE, ProcessEnv, write_preflight
+from .exit_signal import ExitSignal
 
-Train = Callable[[JobConfig, ProcessEnv], int]
+# train(cfg, env, exit_signal): exit_signal is None without --exit-signal-handler
+Train = Callable[[JobConfig, ProcessEnv, ExitSignal | None], int]
 
 
 def run_process(
@@ -24,7 +28,7 @@ def run_process(
     become: Callable[[JobConfig], Callable] | None = None,
     prog: str = "pretrain_gpt.py",
 ) -> int:
-    """`train(cfg, env)` as a worker; as a spare, idle until claimed, then our own worker or
+    """`train(cfg, env, exit_signal)` as a worker; as a spare, idle until claimed, then our own worker or
     `become(cfg)`'s way in. Returns the exit status."""
     env = ProcessEnv.from_environ()
     try:
@@ -35,6 +39,7 @@ def run_process(
     if env.preflight:
         write_preflight(cfg)
         return 0
+    exit_signal = ExitSignal() if cfg.training.exit_signal_handler else None
     setup_logging("" if env.under_launcher else f"rank {env.rank}")
     from ..megatron.core_import import import_megatron_core
 
@@ -43,8 +48,9 @@ def run_process(
         if env.role == ROLE_SPARE:
             from .spare import run_spare
 
-            return run_spare(env, cfg, become=None if become is None else become(cfg))
-        return train(cfg, env)
+            way_in = None if become is None else become(cfg)
+            return run_spare(env, cfg, become=way_in, exit_signal=exit_signal)
+        return train(cfg, env, exit_signal)
     except (ConfigError, CheckpointError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         return err.exit_code

@@ -19,6 +19,7 @@ import time
 
 from ..control import keys
 from ..control.client import ControlClient, connect
+from ..control.membership import MembershipStore
 from ..control.messages import SpareAssignment, spare_id
 from ..errors import DeadpoolError
 from ..events import SPARE_REGISTERED, EventLog
@@ -46,9 +47,12 @@ def warm_up(force_cpu: bool) -> float:
     return time.perf_counter() - start
 
 
-def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
-    """Idle until claimed, then `become(worker_env, takeover)` the claimed rank (by default
-    our own worker; a patched Megatron-LM passes its own)."""
+def run_spare(
+    env: ProcessEnv, cfg, poll_s: float = 0.05, become=None, exit_signal: ExitSignal | None = None
+) -> int:
+    """Idle until claimed, then `become(worker_env, takeover, exit_signal)` the claimed rank
+    (by default our own worker; a patched Megatron-LM passes its own). `exit_signal`: the
+    process's --exit-signal-handler handler, None without the flag."""
     ctx = connect(env, cfg.deadpool)
     client = ControlClient(ctx, env.fault_scope)
     me = spare_id(env.spare_index)
@@ -69,15 +73,22 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
 
     # SIGTERM while idle (the agent stopping its children, or Slurm signalling every process
     # of a step): leave cleanly, status 0, which the pool does not replace.
-    stop = ExitSignal()
+    stop = exit_signal if exit_signal is not None else ExitSignal()
     reserve = SpareReserve(client.footprint, env.world_size)
     prebuilds = spare_prebuilds(cfg, env, client) if become is None else None
 
+    membership = MembershipStore(ctx.kv, ctx.job)
+    claimed = False
+
     def finished() -> None:
-        # Claimed already: take the rank over (a recovery in flight must end for the workers
-        # to stop and save); the worker it becomes stops with them.
-        if stop() and ctx.get(keys.assignment(ctx.job, me), SpareAssignment) is None:
-            raise JobFinished("stopped by SIGTERM")
+        # Withdraw by the key a claim takes, so that a recovery either has this spare or never
+        # will. Claimed already: take the rank over once the assignment comes (a recovery in
+        # flight must end for the workers to stop and save); that worker stops with the rest.
+        nonlocal claimed
+        if stop() and not claimed:
+            claimed = not membership.withdraw_spare(me)
+            if not claimed:
+                raise JobFinished("stopped by SIGTERM")
         if client.job_finished():
             raise JobFinished("job finished")
         reserve.poll()
@@ -91,7 +102,10 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
         client.close()
         log.info("spare %d: %s, exiting", env.spare_index, why)
         return 0
-    stop.restore()  # a worker's SIGTERM is a worker's
+    if exit_signal is None:
+        stop.restore()  # without --exit-signal-handler, SIGTERM ends a worker
+    # else the worker keeps the same handler: a SIGTERM that came while this spare was claimed
+    # is the worker's too, and none can come in between and kill it.
     log.info(
         "spare %d claimed: takes over rank %d in generation %d",
         env.spare_index, order.rank, order.generation,
@@ -103,8 +117,8 @@ def run_spare(env: ProcessEnv, cfg, poll_s: float = 0.05, become=None) -> int:
     prebuilt = prebuilds.take(order.rank) if prebuilds is not None else None
     takeover = Takeover(ctx, client, order.generation, reserve.arena, prebuilt)
     if become is not None:
-        return become(worker_env, takeover)
-    return run_worker(cfg, worker_env, takeover)
+        return become(worker_env, takeover, exit_signal)
+    return run_worker(cfg, worker_env, takeover, exit_signal)
 
 
 def spare_prebuilds(cfg, env: ProcessEnv, client: ControlClient) -> SparePrebuilds | None:

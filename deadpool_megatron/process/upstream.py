@@ -34,6 +34,7 @@ from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
 from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
 from ..runtime import ProcessEnv
+from .exit_signal import ExitSignal
 from .session import ProtectedLoop, serving
 from .worker import Takeover, open_store, watch
 
@@ -78,7 +79,13 @@ class _Pending:
 class UpstreamSession(ProtectedLoop):
     """Drives pretrain() through failures and answers the hooks of patched Megatron-LM."""
 
-    def __init__(self, cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None):
+    def __init__(
+        self,
+        cfg: JobConfig,
+        env: ProcessEnv,
+        takeover: Takeover | None = None,
+        exit_signal: ExitSignal | None = None,
+    ):
         self.cfg = cfg
         self.env = env
         progress = ProgressBoard(env.progress_file)
@@ -97,6 +104,10 @@ class UpstreamSession(ProtectedLoop):
         self.pending: _Pending | None = None
         self.metrics: MetricsWriter | None = None
         self._step_started = 0.0
+        # Handlers that may have noted --exit-signal-handler's signal where Megatron-LM's loop
+        # does not ask: ours from process start, and the dropped ones of earlier pretrain()s.
+        self._early_signal = exit_signal
+        self._exit_notes: list[Callable[[], bool]] = [exit_signal] if exit_signal else []
 
     # -- the process ---------------------------------------------------------------------------
     def run(self, pretrain: Callable, args: tuple, kwargs: dict) -> int:
@@ -107,6 +118,9 @@ class UpstreamSession(ProtectedLoop):
             try:
                 if plan is not None:
                     started = time.perf_counter()
+                    note = upstream.exit_signal_noted()
+                    if note is not None:
+                        self._exit_notes.append(note)
                     upstream.reset_global_state()
                     old_groups = self.recovery.reset_communicators(plan)
                     self.pending = _Pending(plan, old_groups, time.perf_counter() - started)
@@ -176,6 +190,7 @@ class UpstreamSession(ProtectedLoop):
         from what Megatron-LM loaded; protect it from here on."""
         if not self.position.on_gpu:
             cpu_backend.patch_loaded_modules()  # modules Megatron-LM imported lazily
+        self._carry_exit_signal()
         state = train_state(model, optimizer, scheduler)
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
@@ -202,6 +217,20 @@ class UpstreamSession(ProtectedLoop):
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure
             raise
         self.takeover = None  # seated: from here on a failure is recovered like any other
+
+    def _carry_exit_signal(self) -> None:
+        """pretrain() has installed its signal handler (--exit-signal-handler): a signal noted
+        before, by ours at process start or by the handler of a pretrain() that a recovery
+        ended, is raised again for it, so that every rank still stops after the same
+        iteration. Those handlers are no longer installed, so they note nothing more."""
+        early, self._early_signal = self._early_signal, None
+        number = upstream.exit_signal_number()
+        if early is not None and number != early.signum:
+            early.restore()  # Megatron-LM waits for another signal (--exit-signal)
+        notes, self._exit_notes = self._exit_notes, []
+        if any(noted() for noted in notes) and upstream.resend_exit_signal():
+            log.info("the exit signal received before this set-up is raised again for "
+                     "Megatron-LM's handler")  # fmt: skip
 
     def after_final_save(self, iteration: int, save: Callable[[], object]) -> None:
         """The last periodic save was lost with a failure during it and the recovery rolled
@@ -248,14 +277,14 @@ class UpstreamSession(ProtectedLoop):
 
 def become_worker(
     pretrain: Callable, args: tuple, kwargs: dict, cfg: JobConfig
-) -> Callable[[ProcessEnv, Takeover], int]:
+) -> Callable[[ProcessEnv, Takeover, ExitSignal | None], int]:
     """A claimed spare's way into pretrain(): as the rank it replaces (Megatron-LM reads RANK)."""
 
-    def become(env: ProcessEnv, takeover: Takeover) -> int:
+    def become(env: ProcessEnv, takeover: Takeover, exit_signal: ExitSignal | None) -> int:
         import os
 
         os.environ["RANK"] = str(env.rank)
-        session = UpstreamSession(cfg, env, takeover)
+        session = UpstreamSession(cfg, env, takeover, exit_signal)
         with serving(session):
             return session.run(pretrain, args, kwargs)
 
@@ -276,8 +305,8 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
             )
         return upstream.parse_job_config(argv, env.world_size)
 
-    def train(cfg: JobConfig, env: ProcessEnv) -> int:
-        session = UpstreamSession(cfg, env)
+    def train(cfg: JobConfig, env: ProcessEnv, exit_signal: ExitSignal | None) -> int:
+        session = UpstreamSession(cfg, env, exit_signal=exit_signal)
         with serving(session):
             return session.run(pretrain, args, kwargs)
 

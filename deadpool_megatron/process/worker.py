@@ -108,8 +108,15 @@ def watch(
     return guard, recovery, watcher
 
 
-def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None) -> int:
-    """Train as `env.rank`; with `takeover`, as a claimed spare taking a failed rank over."""
+def run_worker(
+    cfg: JobConfig,
+    env: ProcessEnv,
+    takeover: Takeover | None = None,
+    exit_signal: ExitSignal | None = None,
+) -> int:
+    """Train as `env.rank`; with `takeover`, as a claimed spare taking a failed rank over.
+    `exit_signal`: the handler --exit-signal-handler installed at process start (None
+    without the flag); every trainer of this process, across recoveries, asks it."""
     start = time.perf_counter()
     freeze_imports()
     progress = ProgressBoard(env.progress_file)  # private memory without a launcher
@@ -126,7 +133,6 @@ def run_worker(cfg: JobConfig, env: ProcessEnv, takeover: Takeover | None = None
         progress, guard, recovery, partial(_protect, cfg, env, guard) if dpc.deadpool else None,
         faults=faults,
     )  # fmt: skip
-    exit_signal = ExitSignal() if cfg.training.exit_signal_handler else None
     make_trainer = partial(_trainer, cfg, env, session, exit_signal=exit_signal)
     if takeover is not None:
         end = guard.client.training_end()  # the job's, not where this spare starts from

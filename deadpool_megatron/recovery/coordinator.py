@@ -102,6 +102,11 @@ class OrderExists(DeadpoolError):
     """Another writer already ordered a recovery into this generation."""
 
 
+class SpareUnavailable(DeadpoolError):
+    """A spare of the plan could not be claimed (it withdrew on SIGTERM, or an earlier
+    generation holds it): plan again without it. Nothing was published or committed."""
+
+
 class Coordinator:
     def __init__(
         self,
@@ -114,6 +119,7 @@ class Coordinator:
     ):
         self.ctx = ctx
         self.node = node  # this agent's node, named in its orders
+        self.claimer = f"node {node}"  # named in the claim keys of the spares it claims
         self.job = ctx.job
         self.topology = topology
         self.replicas = replicas
@@ -201,11 +207,11 @@ class Coordinator:
                 r for r, s in sorted(plan.replaced.items()) if r in ready.get(s, ())
             ))  # fmt: skip
             joined = tuple(s for s in free_spares if s not in current.spares)
-            for rank, spare_id in sorted(plan.replaced.items()):
+            for _, spare_id in sorted(plan.replaced.items()):
                 if not self.membership.claim_spare(
-                    spare_id, current.generation, f"rank {rank}", joined
+                    spare_id, current.generation, self.claimer, joined
                 ):
-                    raise Unrecoverable(f"spare {spare_id} was claimed by someone else")
+                    raise SpareUnavailable(f"spare {spare_id} withdrew or was claimed before")
             self.membership.commit(
                 Membership(current.generation + 1, plan.membership.ranks, plan.membership.spares),
                 current.generation,

@@ -26,7 +26,7 @@ from ..errors import DeadpoolError
 from ..topology import Topology
 
 __all__ = ["RankHoldings", "RecoveryPlan", "TrainingFinished", "Transfer", "Unrecoverable",
-           "check_plan", "plan_recovery"]  # fmt: skip
+           "check_plan", "generation_problems", "plan_recovery"]  # fmt: skip
 
 
 class Unrecoverable(DeadpoolError):
@@ -156,3 +156,21 @@ def check_plan(plan: RecoveryPlan, topology: Topology) -> None:
                 f"rank {rank} would be restored from {got or 'nothing'}; expected its own "
                 f"snapshot, or a peer's parameters plus its ring replica"
             )
+
+
+def generation_problems(
+    plan: RecoveryPlan, view: int, facts: list[tuple[int, ...]], topology: Topology
+) -> list[str]:
+    """What the ranks' reports after their restore (rank r's at `facts[r]`: generation,
+    iteration restored, a hash of its membership view, tp, pp, dp) show wrong against `plan`
+    and `view`, this rank's hash of the plan's membership; empty when every rank holds."""
+    problems = []
+    for rank, (generation, iteration, membership, *coords) in enumerate(facts):
+        if generation != plan.generation or membership != view:
+            problems.append(f"rank {rank} is in generation {generation} / view {membership:#x}")
+        if iteration != plan.iteration:
+            problems.append(f"rank {rank} restored iteration {iteration}")
+        expected = topology.coords(rank)
+        if tuple(coords) != (expected.tp, expected.pp, expected.dp):
+            problems.append(f"rank {rank} holds coordinates {tuple(coords)}")
+    return problems

@@ -14,10 +14,10 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
    --deadpool-keep-model a survivor keeps its model and optimizer and swaps the groups they
    hold for the new ones instead (megatron/rebind.py); in patched Megatron-LM, after the same
    reset, its pretrain() builds them (process/upstream.py);
-5. restore: roll back to its own snapshot of the plan's iteration (after posting the parts
-   it serves, so that it rolls back while they are read), or, for a spare, receive the
-   parameters from one DP peer and the optimizer shard from one ring successor, on one host
-   read straight into its live tensors;
+5. restore (recovery/transfer.py): roll back to its own snapshot of the plan's iteration
+   (after posting the parts it serves, so that it rolls back while they are read), or, for
+   a spare, receive the parameters from one DP peer and the optimizer shard from one ring
+   successor, on one host read straight into its live tensors;
 6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
    shard exactly once;
 7. resume: a new protection pipeline, the trainer attached at the plan's iteration, and the
@@ -36,10 +36,8 @@ protected its own state.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,14 +46,6 @@ import torch.distributed as dist
 
 from ..checkpoint.buffers import HostArena, Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
-from ..checkpoint.restore import (
-    Expected,
-    receive_into,
-    restore_from_parts,
-    restore_from_snapshot,
-    serve_parameters,
-    serve_replica,
-)
 from ..config import JobConfig
 from ..control import keys
 from ..control.context import JobContext
@@ -78,9 +68,10 @@ from ..topology import Topology
 from .abort import CommunicatorAbort
 from .held import Held
 from .kept import Kept, keep_or_build
-from .leftovers import LeftBehind, referrer_chain
-from .plan import RecoveryPlan, check_plan
-from .release import free_generation
+from .leftovers import LeftBehind
+from .plan import RecoveryPlan, check_plan, generation_problems
+from .release import collect_left_behind
+from .transfer import transfer_state
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -448,64 +439,16 @@ class ProcessRecovery:
         except StoreTimeout as err:
             raise RecoveryFailed(f"ranks {sorted(waiting)} never joined: {err}") from err
 
-    # -- 5. restore --------------------------------------------------------------------------
+    # -- 5. restore (recovery/transfer.py) ---------------------------------------------------
     def restore(self, rebuilt: Rebuilt, plan: RecoveryPlan, group: dist.ProcessGroup) -> int:
         lap = Lap(self._cpu_clock)
         state = rebuilt.state
         rank_state = RankState(state.model, state.optimizer, state.scheduler)
-        me = self.env.rank
-        layout = rank_state.layout
-        parts: dict[str, tuple] = {}
-        # Offered to be read from this process's memory where the ring's parts are too (a
-        # receiver on this host reads it with one copy, into its live tensors;
-        # restore.post_part, restore.receive_into).
         offer = self.cfg.deadpool.deadpool_transport == "tcp"
-        c = self.topology.coords(me)
-        expected = Expected(plan.iteration, (c.tp, c.pp, c.dp))
-        # Every part this rank serves is posted first (nothing blocks; each transfer's
-        # messages go under a tag of their own), then the parts it receives, in the plan's
-        # order; a survivor rolls back to its own snapshot while its receivers read, and only
-        # then waits for their answers (the served slots are held until then).
-        serving = []
-        try:
-            for tag, tr in enumerate(plan.transfers, start=1):
-                if tr.src == me and tr.kind == "parameters":
-                    pair, _ = self.held.snapshot(tr.iteration)
-                    serving.append(serve_parameters(pair, layout.optimizer_nbytes, tr.dst, group,
-                                                    tr.iteration, offer, tag)[1])  # fmt: skip
-                elif tr.src == me:
-                    pair = self.held.replica(tr.owner, tr.iteration)
-                    serving.append(serve_replica({tr.owner: pair}, tr.owner, tr.dst, group,
-                                                 tr.iteration, offer, tag)[1])  # fmt: skip
-            for tag, tr in enumerate(plan.transfers, start=1):
-                if tr.dst != me:
-                    continue
-                nbytes = (
-                    layout.params_nbytes if tr.kind == "parameters" else layout.optimizer_nbytes
-                )
-                part = receive_into(rank_state, tr.kind, nbytes, tr.src, group, expected, tag)
-                if part.iteration != plan.iteration:
-                    raise DeadpoolError(
-                        f"rank {tr.src} sent {tr.kind} of iteration {part.iteration}, the plan "
-                        f"needs {plan.iteration}"
-                    )
-                parts[tr.kind] = (part.data, part.meta)
-                self.bytes_moved += nbytes  # counted once, by the receiver
-                log.info("received the %s of iteration %d from rank %d (%.1f MiB, %s)", tr.kind,
-                         part.iteration, tr.src, nbytes / 2**20,
-                         ("read from its memory" + (" into place" if part.data is None else ""))
-                         if part.pulled else "over the group")  # fmt: skip
-            if me in plan.local_restores:
-                _, slot = self.held.snapshot(plan.iteration)
-                restored = restore_from_snapshot(rank_state, slot, expected)
-            for served in serving:
-                served.finish()
-        finally:
-            for served in serving:  # given up on (an error above): the slots are free again
-                served.release()
-        if me not in plan.local_restores:
-            (optimizer_part, meta), (params_part, _) = parts["replica"], parts["parameters"]
-            restored = restore_from_parts(rank_state, optimizer_part, meta, params_part, expected)
+        restored, received = transfer_state(
+            plan, rank_state, self.held, self.topology, self.env.rank, group, offer
+        )
+        self.bytes_moved += received  # counted once, by the receiver
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "transfer_state")
         return restored
 
@@ -519,17 +462,8 @@ class ProcessRecovery:
         view = int.from_bytes(hashlib.sha1(plan.membership.encode()).digest()[:8], "little",
                               signed=True)  # fmt: skip
         mine = (plan.generation, restored, view, *parallel.coordinates())
-        problems = []
-        for rank, facts in enumerate(all_gather_ints(mine, group)):
-            generation, iteration, membership, *coords = facts
-            if generation != plan.generation or membership != view:
-                problems.append(f"rank {rank} is in generation {generation} / view "
-                                f"{membership:#x}")  # fmt: skip
-            if iteration != plan.iteration:
-                problems.append(f"rank {rank} restored iteration {iteration}")
-            expected = self.topology.coords(rank)
-            if tuple(coords) != (expected.tp, expected.pp, expected.dp):
-                problems.append(f"rank {rank} holds coordinates {tuple(coords)}")
+        facts = all_gather_ints(mine, group)
+        problems = generation_problems(plan, view, facts, self.topology)
         if problems:
             raise RecoveryFailed(
                 f"generation {plan.generation} does not hold at iteration {plan.iteration}: "
@@ -574,37 +508,13 @@ class ProcessRecovery:
         )  # fmt: skip
 
     def _collect_previous_generation(self) -> None:
-        """Free the generations this process left behind, now, not at some later collection.
-
-        The replaced model is a reference cycle (megatron-core's DDP registers gradient hooks
-        whose closures hold the DDP, which holds its process groups), so dropping it frees
-        nothing until the garbage collector's oldest generation runs, which may be many
-        recoveries later; until then each old gloo group keeps its listener, connections and
-        three threads. Collected once per recovery, after the first resumed iteration, on a
-        thread of its own. The old groups are held outside the cycle meanwhile and released
-        one by one between collections (`free_generation`): destroying a gloo group waits for
-        an operation gloo never woke after the abort until the group's timeout (minutes), and
-        inside a collection that wait would stop every later collection of the process with
-        it (measured: a soak's process grew by 68 descriptors and 51 threads per generation).
-        A left model still alive after that is logged with what holds it (`LeftBehind`)."""
-        generation = self.ctx.generation
+        """Free the generations this process left behind, now, on a thread of its own
+        (release.collect_left_behind says why). The abort's cut connections are closed
+        first: every peer of this generation has trained an iteration in it, so each has
+        ended its side of them, and closing them now reaches no gloo pair."""
         retired, self._retired = self._retired, []
-        # Every peer of this generation has trained an iteration in it, so each has ended its
-        # side of the connections the abort cut: closing them now reaches no gloo pair.
         self.abort.release()
-
-        def collect() -> None:
-            t = time.perf_counter()
-            found = free_generation(retired, gc.collect,
-                                    lambda: bool(self.models.survivors(before=generation)))  # fmt: skip
-            log.info("generation %d: freed the previous generation (%d objects) in %.3f s",
-                     generation, found, time.perf_counter() - t)  # fmt: skip
-            for older, ref in self.models.survivors(before=generation).items():
-                log.warning("generation %d: the model of generation %d outlived its collection "
-                            "(its process groups stay open); held by: %s", generation, older,
-                            " -> ".join(referrer_chain(ref)) or "nothing now")  # fmt: skip
-
-        threading.Thread(target=collect, name="deadpool-collect", daemon=True).start()
+        collect_left_behind(self.ctx.generation, retired, self.models)
 
     def failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
         log.warning("recovery into generation %d failed: %s: %s", generation,

@@ -170,9 +170,32 @@ def test_spare_is_claimed_exactly_once_under_a_race(connect, job):
         members.claim_spare("spare-0", by_generation=5)
     with pytest.raises(MembershipError, match="spare 'spare-7' is not free"):
         members.claim_spare("spare-7", by_generation=0)
-    # A spare that joined after generation 0 was committed (a replenished pool), once.
+    # A spare that joined after generation 0 was committed (a replenished pool), once; the
+    # same claimer asking again in the same generation (planning again) still holds it.
     assert members.claim_spare("spare-7", 0, "r", joined=("spare-7",)) is True
-    assert members.claim_spare("spare-7", 0, "r", joined=("spare-7",)) is False
+    assert members.claim_spare("spare-7", 0, "s", joined=("spare-7",)) is False
+    assert members.claim_spare("spare-7", 0, "r", joined=("spare-7",)) is True
+
+
+def test_a_spare_withdraws_or_is_claimed_never_both(connect, job):
+    # A spare told to stop (SIGTERM) takes itself out by the key a claim takes: whichever
+    # comes first wins, so a recovery never waits for a spare that left.
+    members = MembershipStore(connect(), job)
+    members.create(initial())
+    assert members.withdraw_spare("spare-0") is True
+    assert members.claim_spare("spare-0", 0, "node 0") is False
+    assert not members.claimable("spare-0", 0, "node 0")
+    assert members.claimable("spare-1", 0, "node 0")
+    assert members.claim_spare("spare-1", 0, "node 0") is True
+    assert members.withdraw_spare("spare-1") is False  # claimed first: it takes its rank over
+    assert members.claimable("spare-1", 0, "node 0")  # still this claimer's
+    assert not members.claimable("spare-1", 0, "node 1")
+    assert not members.claimable("spare-1", 1, "node 0")
+    racers = race(connect, lambda c, i: (
+        MembershipStore(c, job).withdraw_spare("spare-2") if i % 2
+        else MembershipStore(c, job).claim_spare("spare-2", 0, "node 0", joined=("spare-2",))
+    ))  # fmt: skip
+    assert sum(racers) == 1, racers
 
 
 def test_unreachable_tcp_store_names_its_endpoint():

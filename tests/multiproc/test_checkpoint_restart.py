@@ -161,3 +161,30 @@ def test_sigterm_with_the_exit_signal_handler_saves_the_iteration_every_rank_sto
     cut, _, _ = run_job_and_kill(tmp_path, 4, job, None, 4, signal.SIGTERM)
     assert cut.returncode == 128 + signal.SIGTERM, cut.failure()
     assert latest_iteration(ckpt) is None  # nothing was saved
+
+
+def test_sigterm_noted_before_a_failure_stops_every_rank_after_the_recovered_iteration(
+    tmp_path, baseline
+):
+    # Slurm's notice comes while rank 1 is in a slow phase of iteration 6, and rank 1 dies as
+    # that iteration's snapshot starts, before the ranks ask each other about the signal: the
+    # recovery rolls back to 5 and a spare takes rank 1 over. The signal the survivors noted
+    # before the recovery still stops every rank after one same iteration, saved; the same
+    # command then resumes it, together bitwise equal to the uninterrupted run.
+    ckpt = str(tmp_path / "ckpt")
+    args = [*SHAPE_PP2, "--deadpool", "--log-interval", "1", "--save", ckpt, "--load", ckpt,
+            "--exit-signal-handler"]  # fmt: skip
+    faults = ["--deadpool-inject", "slow@1:6,kill@1:6:snapshot"]
+    first, _, _ = run_job_and_kill(tmp_path, 4, [*args, *faults], None, 5, signal.SIGTERM,
+                                   spares=1)  # fmt: skip
+    assert first.returncode == 0, first.failure()
+    assert "spare 0 claimed: takes over rank 1" in first.output
+    stopped = latest_iteration(ckpt)
+    assert stopped is not None and 6 <= stopped < 12, first.output[-3000:]
+    assert sorted(first.losses) == list(range(1, stopped + 1))
+    assert f"every rank stops after iteration {stopped}, saving it" in first.output
+    second = run_job(tmp_path, 4, args, name="second")
+    assert second.returncode == 0, second.failure()
+    assert f"loaded checkpoint of iteration {stopped}" in second.output
+    assert {**first.losses, **second.losses} == baseline.losses
+    assert second.digest == baseline.digest

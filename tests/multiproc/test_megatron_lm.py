@@ -163,28 +163,26 @@ def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recov
     assert "rank(s) [0, 2, 3] finished training before rank(s) [1] failed" in output
 
 
-def test_upstream_exit_signal_handler_stops_every_rank_after_one_iteration_and_saves_it(
-    megatron_lm, failure_free, tmp_path
-):
-    # SIGTERM to deadpool-launch once iteration 4 is logged (Slurm's notice of a time limit).
-    # With Megatron-LM's --exit-signal-handler the launcher forwards it to the workers alone:
-    # Megatron-LM's own handler stops them after one iteration, they save it and leave
-    # pretrain(), and the job ends 0 with its spare.
-    losses, _ = failure_free
+def _signalled_run(
+    checkout: Path, tmp_path: Path, after_iteration: int, extra: list[str]
+) -> tuple[int, str, dict]:
+    """A job with --exit-signal-handler and --save, sent SIGTERM (to deadpool-launch, which
+    forwards it to the workers) once `after_iteration` is logged; it must end 0. Returns the
+    iteration its checkpoint holds, its output and its losses."""
     metrics, save = tmp_path / "signalled.jsonl", tmp_path / "ckpt"
     cmd = [
         sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
         "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
-        "--exit-signal-handler", "--save", str(save), "--save-interval", "100",
+        "--exit-signal-handler", "--save", str(save), "--save-interval", "100", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": _this_python_first(megatron_lm.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": _this_python_first(checkout.parent)}
     log = tmp_path / "signalled.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=megatron_lm, env=env, stdout=out,
+        proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)  # fmt: skip
     try:
         deadline = time.monotonic() + JOB_TIMEOUT_S
-        while not (metrics.exists() and 4 in read_metrics(str(metrics))[0]):
+        while not (metrics.exists() and after_iteration in read_metrics(str(metrics))[0]):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
@@ -196,8 +194,38 @@ def test_upstream_exit_signal_handler_stops_every_rank_after_one_iteration_and_s
     output = log.read_text()
     assert proc.returncode == 0, output[-6000:]
     stopped = int((save / "latest_checkpointed_iteration.txt").read_text())
+    losses, _ = read_metrics(str(metrics))
+    return stopped, output, losses
+
+
+def test_upstream_exit_signal_handler_stops_every_rank_after_one_iteration_and_saves_it(
+    megatron_lm, failure_free, tmp_path
+):
+    # SIGTERM to deadpool-launch once iteration 4 is logged (Slurm's notice of a time limit).
+    # With Megatron-LM's --exit-signal-handler the launcher forwards it to the workers alone:
+    # Megatron-LM's own handler stops them after one iteration, they save it and leave
+    # pretrain(), and the job ends 0 with its spare.
+    losses, _ = failure_free
+    stopped, output, got = _signalled_run(megatron_lm, tmp_path, 4, [])
     assert 4 <= stopped < 12, output[-3000:]
-    got, _ = read_metrics(str(metrics))
     assert got == {i: losses[i] for i in range(1, stopped + 1)}
     assert "exiting program after receiving SIGTERM" in output
     assert "spare 0: job finished, exiting" in output
+
+
+def test_upstream_exit_signal_noted_before_a_recovery_is_not_forgotten(
+    megatron_lm, failure_free, tmp_path
+):
+    # The signal comes while rank 1 is slow in iteration 6, and rank 1 dies as that
+    # iteration's snapshot starts, before Megatron-LM's loop asks its handler. The recovery
+    # runs pretrain() again, which drops that handler and installs a fresh one: the signal it
+    # noted is raised again for the new one, so every rank still stops after one iteration
+    # and saves it (before, the job trained on to --train-iters).
+    losses, _ = failure_free
+    faults = ["--deadpool-inject", "slow@1:6,kill@1:6:snapshot"]
+    stopped, output, got = _signalled_run(megatron_lm, tmp_path, 5, faults)
+    assert "spare 0 claimed: takes over rank 1" in output
+    assert "raised again for Megatron-LM's handler" in output
+    assert 6 <= stopped < 12, output[-3000:]
+    assert got == {i: losses[i] for i in range(1, stopped + 1)}
+    assert "exiting program after receiving SIGTERM" in output

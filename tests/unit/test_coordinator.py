@@ -22,7 +22,12 @@ from deadpool_megatron.control.messages import (
 from deadpool_megatron.control.monitor import Monitor
 from deadpool_megatron.events import EventLog, read_events
 from deadpool_megatron.failure.hang import HangPolicy
-from deadpool_megatron.recovery.coordinator import Coordinator, OrderExists, rank_phases
+from deadpool_megatron.recovery.coordinator import (
+    Coordinator,
+    OrderExists,
+    SpareUnavailable,
+    rank_phases,
+)
 from deadpool_megatron.recovery.plan import TrainingFinished, Unrecoverable
 from deadpool_megatron.topology import Topology
 
@@ -95,16 +100,40 @@ def test_a_newer_recovery_is_planned_from_the_last_one(kv, tmp_path):
     assert [e["generation"] for e in started] == [1, 2]
 
 
-def test_a_spare_claimed_by_someone_else_is_not_seated(kv):
+@pytest.mark.parametrize("holder", ["another agent", "withdrawn"])
+def test_a_spare_claimed_by_someone_else_or_withdrawn_is_not_seated(kv, holder):
+    # Nothing is published or committed: the agent plans again without that spare.
     coord, _ = make(kv)
-    kv.set(keys.spare_claim(JOB, "spare-0"), Claim("another agent", 0).encode())
+    if holder == "withdrawn":
+        assert MembershipStore(kv, JOB).withdraw_spare("spare-0")
+    else:
+        kv.set(keys.spare_claim(JOB, "spare-0"), Claim(holder, 0).encode())
     rec = coord.order({3}, "rank 3 exited", 1.0)
     holdings(kv, 1, [0, 1, 2])
-    with pytest.raises(Unrecoverable, match="spare spare-0 was claimed by someone else"):
-        coord.decide(rec, coord.gather(rec, lambda r: None, None), ["spare-0", "spare-1"])
-    decision = PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1)))
-    assert decision.plan is None and "claimed by someone else" in decision.unrecoverable
+    held = coord.gather(rec, lambda r: None, None)
+    with pytest.raises(SpareUnavailable, match="spare spare-0 withdrew or was claimed before"):
+        coord.decide(rec, held, ["spare-0", "spare-1"])
+    assert kv.get(keys.recovery_plan(JOB, 1)) is None
     assert MembershipStore(kv, JOB).current().generation == 0  # nothing committed
+    plan = coord.decide(rec, held, ["spare-1"])
+    assert plan.replaced == {3: "spare-1"}
+    assert MembershipStore(kv, JOB).current().spares == ()
+
+
+def test_planning_again_keeps_the_spares_this_recovery_claimed_already(kv):
+    # Two lost ranks: spare-0 is claimed for the first, spare-1 has withdrawn, so the plan
+    # fails at the second claim. Planned again with a spare that joined since, spare-0 is
+    # still this coordinator's to seat.
+    coord, _ = make(kv)
+    MembershipStore(kv, JOB).withdraw_spare("spare-1")
+    rec = coord.order({1, 3}, "ranks 1 and 3 exited", 1.0)
+    holdings(kv, 1, [0, 2])
+    held = coord.gather(rec, lambda r: None, None)
+    with pytest.raises(SpareUnavailable, match="spare-1"):
+        coord.decide(rec, held, ["spare-0", "spare-1"])
+    assert MembershipStore(kv, JOB).claimable("spare-0", 0, coord.claimer)
+    plan = coord.decide(rec, held, ["spare-0", "spare-2"])
+    assert plan.replaced == {1: "spare-0", 3: "spare-2"}
 
 
 def test_unrecoverable_is_published_so_that_every_process_stops(kv):

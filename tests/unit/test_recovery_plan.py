@@ -11,6 +11,7 @@ from deadpool_megatron.recovery.plan import (
     Transfer,
     Unrecoverable,
     check_plan,
+    generation_problems,
     plan_recovery,
 )
 from deadpool_megatron.topology import Topology
@@ -132,3 +133,32 @@ def test_check_plan_rejects_a_rank_restored_twice_or_from_a_failed_source():
                               (*good.transfers[:1], Transfer("replica", 0, 0, 0, 5)))  # fmt: skip
     with pytest.raises(DeadpoolError, match="reads from failed rank 0"):
         check_plan(bad_source, TOPO_DP4)
+
+
+def _facts(plan, topo, view_hash):
+    return [
+        (plan.generation, plan.iteration, view_hash, *(vars(topo.coords(r))[k] for k in
+                                                        ("tp", "pp", "dp")))
+        for r in range(topo.world_size)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "rank, field, value, problem",
+    [
+        (None, None, None, None),
+        (3, 0, 7, "rank 3 is in generation 7 / view 0x2a"),
+        (5, 2, 41, "rank 5 is in generation 1 / view 0x29"),
+        (0, 1, 4, "rank 0 restored iteration 4"),
+        (6, 3, 1, "rank 6 holds coordinates (1, 1, 1)"),
+    ],
+)
+def test_the_ranks_reports_after_a_restore_are_checked_against_the_plan(
+    rank, field, value, problem
+):
+    plan = plan_recovery(view(TOPO_3D), TOPO_3D, {0}, holdings(TOPO_3D, {0}))
+    facts = _facts(plan, TOPO_3D, 42)
+    if rank is not None:
+        facts[rank] = tuple(value if i == field else f for i, f in enumerate(facts[rank]))
+    got = generation_problems(plan, 42, facts, TOPO_3D)
+    assert got == ([] if problem is None else [problem])
