@@ -216,10 +216,13 @@ class RankHoldings:
 
 @dataclass(frozen=True)
 class HoldingsReport(Record):
-    """A live rank's holdings for a recovery, and the last iteration whose step it finished."""
+    """A live rank's holdings for a recovery, the last iteration whose step it finished, and
+    whether it has trained at all in this launch (False: it is still where training starts,
+    in its set-up or its first iteration, and could set up again instead)."""
 
     holdings: RankHoldings
     completed: int
+    trained: bool = True
 
     def to_doc(self) -> dict:
         h = self.holdings
@@ -227,12 +230,17 @@ class HoldingsReport(Record):
             "snapshots": sorted(h.snapshots),
             "replicas": {str(o): sorted(its) for o, its in h.replicas.items()},
             "completed": self.completed,
+            "trained": self.trained,
         }
 
     @classmethod
     def from_doc(cls, doc: dict) -> HoldingsReport:
         replicas = {int(o): frozenset(its) for o, its in doc["replicas"].items()}
-        return cls(RankHoldings(frozenset(doc["snapshots"]), replicas), int(doc["completed"]))
+        holdings = RankHoldings(frozenset(doc["snapshots"]), replicas)
+        return cls(holdings, int(doc["completed"]), bool(doc.get("trained", True)))
+
+
+FROM_START = -1  # a plan's iteration when every rank sets up again (RecoveryPlan.from_start)
 
 
 @dataclass(frozen=True)
@@ -254,6 +262,9 @@ class RecoveryPlan:
     # Replaced ranks whose spare built their model and optimizer while idle (SparePrebuilt):
     # it rebinds them instead of building, and builds nothing its peers must meet.
     prebuilt: tuple[int, ...] = ()
+    # Nothing trained yet and nothing to restore: every rank sets up again, as at the job's
+    # start (the seeded model, or --load's checkpoint), and `iteration` is FROM_START.
+    from_start: bool = False
 
     @property
     def generation(self) -> int:
@@ -284,6 +295,7 @@ class PlanDecision(Record):
             "local_restores": list(p.local_restores),
             "transfers": [[t.kind, t.src, t.dst, t.owner, t.iteration] for t in p.transfers],
             "prebuilt": list(p.prebuilt),
+            "from_start": p.from_start,
             "failed_iteration": self.failed_iteration,
         }
 
@@ -300,6 +312,7 @@ class PlanDecision(Record):
             local_restores=tuple(doc["local_restores"]),
             transfers=tuple(Transfer(*t) for t in doc["transfers"]),
             prebuilt=tuple(int(r) for r in doc.get("prebuilt", ())),
+            from_start=bool(doc.get("from_start", False)),
         )
         return cls(plan, int(doc["failed_iteration"]))
 

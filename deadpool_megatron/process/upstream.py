@@ -198,6 +198,7 @@ class UpstreamSession(ProtectedLoop):
         if pending is None:
             from megatron.training.global_vars import get_args
 
+            self.inject(0, "setup")  # ACTION@R:0:setup, here after Megatron-LM's --load
             self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
             return
         phases = {  # the model's share: Megatron-LM's set-up run again, groups included
@@ -208,10 +209,16 @@ class UpstreamSession(ProtectedLoop):
             t = time.perf_counter()
             host = parallel.host_group()  # before any fault can strike: creation can't be aborted
             phases["rebuild_communicators"] += time.perf_counter() - t
-            materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
+            start = None
+            if pending.plan.from_start:  # pretrain() set everything up again, --load included
+                from megatron.training.global_vars import get_args
+
+                start = get_args().iteration
+            else:
+                materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
             self.recovery.inject_recovery_fault()
             rebuilt = Rebuilt(self.position, state, self.position.on_gpu, phases,
-                              pending.old_groups, host)  # fmt: skip
+                              pending.old_groups, host, start=start)  # fmt: skip
             self.recovery.complete(pending.plan, rebuilt)
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -18,6 +19,7 @@ from ..control import keys
 from ..control.client import ControlClient, connect, control_ports
 from ..control.context import JobContext
 from ..control.messages import HostFootprint
+from ..errors import CheckpointError, ConfigError
 from ..events import CHECKPOINT_LOADED, EventLog
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
@@ -137,12 +139,24 @@ def run_worker(
     if takeover is not None:
         end = guard.client.training_end()  # the job's, not where this spare starts from
         if end is None:
-            log.warning("the job's last iteration is not in the store; taking it from the "
-                        "flags as if training had started at iteration 0")  # fmt: skip
+            log.warning("the job's last iteration is not in the store (its set-up never "
+                        "finished); taking it from the flags and where training starts")  # fmt: skip
         trainer = recovery.take_over(takeover.generation,
                                      partial(make_trainer, end_iteration=end))  # fmt: skip
     else:
-        trainer = _start(cfg, env, store, make_trainer, events)
+        try:
+            trainer = _start(cfg, env, store, make_trainer, events, session.inject)
+        except (ConfigError, CheckpointError):
+            raise  # bad input: the same again would fail the same way
+        except Exception as err:
+            if guard is None or not dpc.deadpool:
+                raise
+            try:  # a failure during the set-up: every rank sets up again, a spare in its place
+                trainer = recovery.set_up_again(err, make_trainer)
+            except RecoveryFailed as lost:
+                log.error("cannot recover: %s", lost)
+                guard.close()
+                return 1
         if guard is not None:
             guard.client.publish_training_end(trainer.end_iteration)
     log.info(
@@ -213,9 +227,16 @@ def _protect(
     return pipeline
 
 
-def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, events: EventLog) -> Trainer:
+def _start(
+    cfg: JobConfig,
+    env: ProcessEnv,
+    store,
+    make_trainer,
+    events: EventLog,
+    inject: Callable[[int, str], None],
+) -> Trainer:
     """Generation 0: process groups, model and optimizer, a checkpoint to resume from, and
-    the protection pipeline with --deadpool."""
+    the protection pipeline with --deadpool. `inject`: faults at phase setup (ACTION@R:0:setup)."""
     prefix = keys.process_group_prefix(env.job_id, 0)
     on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store, prefix=prefix)
     tp, pp, dp = parallel.coordinates()
@@ -224,6 +245,7 @@ def _start(cfg: JobConfig, env: ProcessEnv, store, make_trainer, events: EventLo
         env.rank, env.world_size, tp, pp, dp, "nccl" if on_gpu else "gloo (CPU)",
     )  # fmt: skip
     state = build_train_state(cfg, on_gpu)
+    inject(0, "setup")
     iteration = 0
     if cfg.checkpoint.load:
         t = time.perf_counter()

@@ -41,7 +41,7 @@ from ..events import (
     EventLog,
 )
 from ..topology import Topology
-from .plan import RankHoldings, RecoveryPlan, TrainingFinished, Unrecoverable, plan_recovery
+from .plan import RecoveryPlan, TrainingFinished, Unrecoverable, plan_recovery
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -151,13 +151,13 @@ class Coordinator:
         poll_s: float = POLL_S,
         sleep: Callable[[float], None] = time.sleep,
         finished: Callable[[int], bool] = lambda rank: False,
-    ) -> dict[int, tuple[RankHoldings, int]]:
+    ) -> dict[int, HoldingsReport]:
         """Wait for the holdings of every live rank. A rank still computing towards its next
         phase boundary is waited for as long as it progresses; one that `lost` says will
         never report (exited, stopped, no progress for its phase's limit) joins the failed
         ones; one that `finished` (exited with status 0) joins `rec.finished`. Returns
-        {rank: (holdings, completed iteration)}."""
-        got: dict[int, tuple[RankHoldings, int]] = {}
+        {rank: its report}."""
+        got: dict[int, HoldingsReport] = {}
 
         def poll() -> dict | None:
             for rank in range(self.topology.world_size):
@@ -165,7 +165,7 @@ class Coordinator:
                     continue
                 report = self.ctx.get(keys.holdings(self.job, rec.generation, rank), HoldingsReport)
                 if report is not None:
-                    got[rank] = (report.holdings, report.completed)
+                    got[rank] = report
                     continue
                 if finished(rank):
                     log.info("rank %d had finished training (exited with status 0)", rank)
@@ -186,7 +186,7 @@ class Coordinator:
     def decide(
         self,
         rec: Recovery,
-        held: dict[int, tuple[RankHoldings, int]],
+        held: dict[int, HoldingsReport],
         free_spares: list[str],
         prebuilt: Mapping[str, Collection[int]] | None = None,
     ) -> RecoveryPlan:
@@ -199,10 +199,10 @@ class Coordinator:
         view = Membership(current.generation, current.ranks, tuple(free_spares))
         try:
             plan = plan_recovery(
-                view, self.topology, rec.permanent, {r: h for r, (h, _) in held.items()},
-                self.replicas, rec.finished,
+                view, self.topology, rec.permanent, {r: h.holdings for r, h in held.items()},
+                self.replicas, rec.finished, untrained=not any(h.trained for h in held.values()),
             )  # fmt: skip
-            ready = prebuilt or {}
+            ready = {} if plan.from_start else prebuilt or {}  # from the start, all build
             plan = dataclasses.replace(plan, prebuilt=tuple(
                 r for r, s in sorted(plan.replaced.items()) if r in ready.get(s, ())
             ))  # fmt: skip
@@ -231,15 +231,16 @@ class Coordinator:
             assignment = SpareAssignment(rank, rec.generation)
             self.ctx.put(keys.assignment(self.job, spare_id), assignment)
             self.events.emit(SPARE_CLAIMED, spare=spare_id, replaces=rank)
-        completed = max(c for _, c in held.values())
+        completed = max(h.completed for h in held.values())
         decision = PlanDecision(plan, failed_iteration=completed + 1)
         self.ctx.put(keys.recovery_plan(self.job, rec.generation), decision)
         rec.plan = plan
-        rec.replayed = max(0, completed - plan.iteration)
+        rec.replayed = 0 if plan.from_start else max(0, completed - plan.iteration)
         rec.phases["plan"] = self._clock() - rec.ordered_at
         log.info(
-            "generation %d: roll back to iteration %d; %s; transfers: %s",
-            rec.generation, plan.iteration,
+            "generation %d: %s; %s; transfers: %s", rec.generation,
+            "nothing trained yet: every rank sets up again from the start" if plan.from_start
+            else f"roll back to iteration {plan.iteration}",
             ", ".join(f"{s} replaces rank {r}" + (" (prebuilt)" if r in plan.prebuilt else "")
                       for r, s in plan.replaced.items()) or "no spare",
             ", ".join(f"{t.kind} {t.src}->{t.dst}" for t in plan.transfers) or "none",
@@ -270,6 +271,9 @@ class Coordinator:
             "iteration": rec.plan.iteration,
             "replaced": {str(k): v for k, v in rec.plan.replaced.items()},
         }
+        if rec.plan.from_start:  # where the set-up found training starts: before the first
+            summary["iteration"] = min(r.iteration for r in records) - 1  # resumed one
+            summary["from_start"] = True
         cpu = {rank: r.cpu_s for rank, r in enumerate(records) if r.cpu_s is not None}
         if cpu:  # per process: what the recovery costs where every process has its own cores
             busiest = max(cpu, key=cpu.__getitem__)

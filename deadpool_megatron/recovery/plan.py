@@ -7,7 +7,9 @@ rank's (tp, pp, dp) coordinates receives the parameters from ONE healthy DP peer
 (tp, pp) coordinates (all DP peers hold identical parameters) and the optimizer shard +
 metadata from ONE surviving DP-ring successor that holds a verified replica. i is the newest
 iteration for which all of that exists; when nothing does (both copies of a shard lost, no
-spare left), the plan says exactly what was lost instead of resuming on wrong state.
+spare left), the plan says exactly what was lost instead of resuming on wrong state. Before
+any live rank has trained (a failure during the set-up), where nothing can be restored the
+plan is from the start instead: every rank sets up again, as at the job's start.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Collection, Mapping
 
 from ..control.membership import replace
 from ..control.messages import (
+    FROM_START,
     Membership,
     MembershipError,
     RankHoldings,
@@ -25,7 +28,7 @@ from ..control.messages import (
 from ..errors import DeadpoolError
 from ..topology import Topology
 
-__all__ = ["RankHoldings", "RecoveryPlan", "TrainingFinished", "Transfer", "Unrecoverable",
+__all__ = ["FROM_START", "RankHoldings", "RecoveryPlan", "TrainingFinished", "Transfer", "Unrecoverable",
            "check_plan", "generation_problems", "plan_recovery"]  # fmt: skip
 
 
@@ -46,13 +49,16 @@ def plan_recovery(
     holdings: Mapping[int, RankHoldings],
     replicas: int = 1,
     finished: Collection[int] = (),
+    untrained: bool = False,
 ) -> RecoveryPlan:
     """The next generation after the ranks in `permanent` are lost for good.
 
     `holdings` has one entry per live rank (survivors and transiently failed ranks alike:
     both keep their process and host buffers); `finished`: ranks that exited with status 0,
-    replaced like failed ones unless no rank is live. Raises Unrecoverable naming what was
-    lost, TrainingFinished when every rank that did not fail had finished.
+    replaced like failed ones unless no rank is live; `untrained`: no live rank has trained
+    an iteration yet (a failure during the set-up or the first iteration), so where nothing
+    can be restored every rank sets up again instead (`from_start`). Raises Unrecoverable
+    naming what was lost, TrainingFinished when every rank that did not fail had finished.
     """
     live = set(holdings)
     done = set(finished)
@@ -92,6 +98,8 @@ def plan_recovery(
                 local_restores=tuple(sorted(live)),
                 transfers=tuple(transfers),
             )
+    if untrained:  # the state training starts from is rebuilt, as it was built the first time
+        return RecoveryPlan(new_view, FROM_START, replaced, (), (), from_start=True)
     if not candidates:
         raise Unrecoverable(
             "the live ranks share no committed snapshot iteration: "
@@ -141,7 +149,12 @@ def _sources(topology, permanent, holdings, replicas, iteration, reasons) -> lis
 
 def check_plan(plan: RecoveryPlan, topology: Topology) -> None:
     """The invariants every rank verifies before resuming: every (tp, pp, dp) shard is
-    restored exactly once, from live sources, all at the same iteration."""
+    restored exactly once, from live sources, all at the same iteration (or, from the start,
+    nothing is restored: every rank sets up again)."""
+    if plan.from_start:
+        if plan.transfers or plan.local_restores or plan.iteration != FROM_START:
+            raise DeadpoolError(f"a plan from the start restores nothing: {plan}")
+        return
     restored: dict[int, list[str]] = {r: ["local"] for r in plan.local_restores}
     for t in plan.transfers:
         if t.iteration != plan.iteration:
@@ -165,11 +178,14 @@ def generation_problems(
     iteration restored, a hash of its membership view, tp, pp, dp) show wrong against `plan`
     and `view`, this rank's hash of the plan's membership; empty when every rank holds."""
     problems = []
+    # From the start, each rank found where training starts itself: they must agree.
+    wanted = facts[0][1] if plan.from_start else plan.iteration
     for rank, (generation, iteration, membership, *coords) in enumerate(facts):
         if generation != plan.generation or membership != view:
             problems.append(f"rank {rank} is in generation {generation} / view {membership:#x}")
-        if iteration != plan.iteration:
-            problems.append(f"rank {rank} restored iteration {iteration}")
+        if iteration != wanted:
+            problems.append(f"rank {rank} restored iteration {iteration}" + (
+                f", rank 0 {wanted}" if plan.from_start else ""))  # fmt: skip
         expected = topology.coords(rank)
         if tuple(coords) != (expected.tp, expected.pp, expected.dp):
             problems.append(f"rank {rank} holds coordinates {tuple(coords)}")

@@ -13,7 +13,9 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
    model and optimizer (nothing built before stays reachable from training); with
    --deadpool-keep-model a survivor keeps its model and optimizer and swaps the groups they
    hold for the new ones instead (megatron/rebind.py); in patched Megatron-LM, after the same
-   reset, its pretrain() builds them (process/upstream.py);
+   reset, its pretrain() builds them (process/upstream.py). A plan from the start (nothing
+   trained yet and nothing to restore: a failure during the set-up) sets every rank up again
+   here instead, the seeded model or --load's checkpoint, and 5 restores nothing;
 5. restore (recovery/transfer.py): roll back to its own snapshot of the plan's iteration
    (after posting the parts it serves, so that it rolls back while they are read), or, for
    a spare, receive the parameters from one DP peer and the optimizer shard from one ring
@@ -52,11 +54,11 @@ from ..control.context import JobContext
 from ..control.messages import Flag, HoldingsReport, PlanDecision, Recovered
 from ..control.store import StoreTimeout
 from ..control.wait import wait_until
-from ..errors import DeadpoolError
+from ..errors import CheckpointError, ConfigError, DeadpoolError
 from ..failure.hang import HangPolicy
 from ..failure.progress import ProgressBoard
-from ..megatron import parallel
-from ..megatron.checkpointing import materialize_optimizer_state
+from ..megatron import checkpointing, parallel
+from ..megatron.checkpointing import materialize_optimizer_state, optimizer_state_ready
 from ..megatron.exchange import all_gather_ints
 from ..megatron.groups import group_roles, live_groups, stale_groups
 from ..megatron.model import TrainState, build_train_state, unhook
@@ -114,6 +116,7 @@ class Rebuilt:
     old_groups: list  # held while verifying: their ids stay unique
     host: dist.ProcessGroup  # parallel.host_group(): restore and verify move host memory on it
     phase_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of each phase
+    start: int | None = None  # from the start: the iteration training starts from, found again
 
 
 class Lap:
@@ -132,7 +135,7 @@ class Lap:
         self._wall, self._cpu = wall, cpu
 
 
-MakeTrainer = Callable[[TrainState, bool], Trainer]
+MakeTrainer = Callable[..., Trainer]  # (state, on_gpu[, iteration training starts from])
 # (state, on_gpu, generation, slot pairs to reuse) -> the generation's pipeline
 Protect = Callable[[TrainState, bool, int, Reusable | None], ProtectionPipeline]
 
@@ -183,6 +186,9 @@ class ProcessRecovery:
         self.held = Held()
         self.active = False  # between a failure and the resumed iteration
         self.completed = 0  # the newest iteration this process finished before the failure
+        # Whether this process holds state past where training starts (an iteration done, or
+        # a restored one): while no live rank does, a plan may set everything up again.
+        self.trained = False
         self.bytes_moved = 0
         self._failed_iteration = 0
         self._spent = 0  # the newest generation whose store prefix an attempt used
@@ -202,25 +208,48 @@ class ProcessRecovery:
     def recover(self, trainer: Trainer, err: BaseException) -> None:
         """A worker: take part in recoveries until one succeeds; raises RecoveryFailed."""
         self.interrupted(trainer, err)
+        self._until_recovered(trainer)
+
+    def set_up_again(self, err: BaseException, make_trainer: MakeTrainer) -> Trainer:
+        """A worker whose set-up failed (a peer died in one of its collectives, its own
+        error, or the agent's order): set up again, from the start as every rank does, in
+        the generation the agent plans; returns the trainer. Raises RecoveryFailed."""
+        self.interrupted(None, err)
+        return self._until_recovered(None, make_trainer)
+
+    def _until_recovered(
+        self, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
+    ) -> Trainer:
+        """Stages 2-7 until a generation's recovery succeeds (a newer order, or a failure in
+        one, leads to the next); without a trainer (its set-up failed) only a plan from the
+        start will do. Raises RecoveryFailed."""
         while True:
             plan = self.next_plan()
+            if trainer is None and not plan.from_start:
+                raise RecoveryFailed(f"this rank's set-up failed, but the plan of generation "
+                                     f"{plan.generation} restores iteration {plan.iteration}")  # fmt: skip
             try:
-                self.complete(plan, self.rebuild(plan, trainer))
-                return
+                rebuilt = self.rebuild(plan, trainer, make_trainer)
+                self.complete(plan, rebuilt)
+                return rebuilt.trainer
             except Superseded as why:
                 log.info("%s; recovering into the newer generation", why)
-            except RecoveryFailed:
-                raise
+            except (RecoveryFailed, ConfigError, CheckpointError):
+                raise  # bad input (a --load the set-up reads again) ends the process
             except Exception as e:  # a failure during the recovery: a newer order follows
                 self.failed_attempt(plan.generation, e, trainer)
 
-    def interrupted(self, trainer: Trainer, err: BaseException) -> None:
-        """Stage 1 for a worker whose iteration failed: report the failure, stop."""
-        self._begin(trainer.iteration)
+    def interrupted(self, trainer: Trainer | None, err: BaseException) -> None:
+        """Stage 1 for a worker whose iteration (None: set-up) failed: report it, stop."""
+        self._begin(trainer.iteration if trainer is not None else 0)
         if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
             self.report(err)  # the agent classifies it
-        log.warning("iteration %d stopped: %s: %s", trainer.iteration + 1, type(err).__name__, err)
-        self.stop(trainer)
+        where = "set-up" if trainer is None else f"iteration {trainer.iteration + 1}"
+        log.warning("%s stopped: %s: %s", where, type(err).__name__, err)
+        if trainer is None:
+            self.abort.abort()
+        else:
+            self.stop(trainer)
 
     def next_plan(self) -> RecoveryPlan:
         """Stages 2-3: the plan of the newest generation ordered; raises RecoveryFailed."""
@@ -276,10 +305,14 @@ class ProcessRecovery:
     def complete(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
         """Stages 5-7 once the generation's groups, model and optimizer are built. Restore
         and verify move host memory: they go through the rebuild's gloo group over every rank
-        (in an NCCL job the default group cannot carry CPU tensors)."""
-        restored = self.restore(rebuilt, plan, rebuilt.host)
+        (in an NCCL job the default group cannot carry CPU tensors). From the start nothing
+        is restored: the rebuild set everything up again."""
+        if plan.from_start:
+            restored = rebuilt.start
+        else:
+            restored = self.restore(rebuilt, plan, rebuilt.host)
         self.verify(plan, restored, rebuilt, rebuilt.host)
-        self.resume(plan, rebuilt)
+        self.resume(plan, rebuilt, restored)
 
     # -- 1. stop -----------------------------------------------------------------------------
     def stop(self, trainer: Trainer) -> None:
@@ -315,7 +348,7 @@ class ProcessRecovery:
     def report_holdings(self, generation: int) -> None:
         h = self.held.holdings()
         key = keys.holdings(self.ctx.job, generation, self.env.rank)
-        self.ctx.put(key, HoldingsReport(h, self.completed))
+        self.ctx.put(key, HoldingsReport(h, self.completed, self.trained))
         log.info(
             "generation %d: holding snapshots %s and replicas %s",
             generation, sorted(h.snapshots), {o: sorted(i) for o, i in h.replicas.items()},
@@ -358,17 +391,32 @@ class ProcessRecovery:
         host = parallel.host_group()  # with the other groups: before any fault can strike
         phases: dict[str, float] = {}
         lap.record(phases, phase_cpu, "rebuild_communicators")
-        state = self._rebound(anyone_builds(plan, self.keep_model), host, prebuilt)
+        start = None
+        if plan.from_start:
+            state, start = self._set_up(on_gpu)
+        else:
+            state = self._rebound(anyone_builds(plan, self.keep_model), host, prebuilt)
         if state is None:
             # the restore overwrites weights and optimizer state entirely: neither is drawn
             state = build_train_state(self.cfg, on_gpu, initialize=False)
             materialize_optimizer_state(state.optimizer)
         self.models.track(plan.generation, state.model[0])
         if trainer is None:
-            trainer = make_trainer(state, on_gpu)
+            trainer = make_trainer(state, on_gpu) if start is None else make_trainer(
+                state, on_gpu, start)  # fmt: skip
         lap.record(phases, phase_cpu, "rebuild_model")
         self.inject_recovery_fault()
-        return Rebuilt(trainer, state, on_gpu, phases, old_groups, host, phase_cpu)
+        return Rebuilt(trainer, state, on_gpu, phases, old_groups, host, phase_cpu, start)
+
+    def _set_up(self, on_gpu: bool) -> tuple[TrainState, int]:
+        """From the start: the model and optimizer as the job's set-up builds them (the same
+        seeded initialization), loaded from --load's checkpoint if it names one; returns them
+        and the iteration training starts from. Nothing kept or built while idle is used."""
+        self._kept, self._roles = None, {}
+        state = build_train_state(self.cfg, on_gpu)
+        start = checkpointing.load(self.cfg, state) if self.cfg.checkpoint.load else 0
+        log.info("set up again from the start: iteration %d", start)
+        return state, start
 
     def _adopt_prebuilt(self, plan: RecoveryPlan) -> bool:
         """A claimed spare: keep the state it built while idle, as a survivor keeps its own,
@@ -472,14 +520,18 @@ class ProcessRecovery:
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "verify")
 
     # -- 7. resume ---------------------------------------------------------------------------
-    def resume(self, plan: RecoveryPlan, rebuilt: Rebuilt) -> None:
+    def resume(self, plan: RecoveryPlan, rebuilt: Rebuilt, iteration: int) -> None:
+        """`iteration`: the plan's, or from the start the one the set-up found."""
         lap = Lap(self._cpu_clock)
-        reuse = dataclasses.replace(self.held.offer(plan.iteration), arena=self._reserve)
+        reuse = dataclasses.replace(self.held.offer(iteration), arena=self._reserve)
         self._reserve = None  # carved into this pipeline's pairs: theirs from now on
         pipeline = self.protect(rebuilt.state, rebuilt.on_gpu, plan.generation, reuse)
-        pipeline.after_step(plan.iteration)  # the new generation protects itself
+        if not plan.from_start:
+            pipeline.after_step(iteration)  # the new generation protects itself
+        elif optimizer_state_ready(rebuilt.state.optimizer):
+            pipeline.protect_start(iteration)  # as at the job's start
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "rebuild_pipeline")
-        rebuilt.trainer.attach(rebuilt.state, plan.iteration, pipeline)
+        rebuilt.trainer.attach(rebuilt.state, iteration, pipeline)
         checked = None
         if self.cfg.deadpool.deadpool_verify_groups:
             # The retired groups are held on purpose, apart from the training objects, until
@@ -498,12 +550,13 @@ class ProcessRecovery:
         self._kept = None  # resumed: from here on the trainer holds it
         self.ctx.advance(plan.generation)
         self.active = False
+        self.trained = self.trained or not plan.from_start
         phases = rebuilt.phases
         self._account = {"phases": phases, "restored_at": time.time(), "groups": checked,
                          "cpu": rebuilt.phase_cpu, "cpu_at": self._cpu_clock()}  # fmt: skip
         log.info(
-            "generation %d: rolled back to iteration %d (%s), resuming",
-            plan.generation, plan.iteration,
+            "generation %d: %s iteration %d (%s), resuming", plan.generation,
+            "set up again at" if plan.from_start else "rolled back to", iteration,
             ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()),
         )  # fmt: skip
 
@@ -516,17 +569,18 @@ class ProcessRecovery:
         self.abort.release()
         collect_left_behind(self.ctx.generation, retired, self.models)
 
-    def failed_attempt(self, generation: int, err: Exception, trainer: Trainer) -> None:
+    def failed_attempt(self, generation: int, err: Exception, trainer: Trainer | None) -> None:
         log.warning("recovery into generation %d failed: %s: %s", generation,
                     type(err).__name__, err)  # fmt: skip
         self.abort.abort()
-        self._keep(trainer.detach())
+        self._keep(trainer.detach() if trainer is not None else None)
         self._spent = max(self._spent, generation)  # its store prefix is spent: never retry
 
     # -- after the first resumed iteration -----------------------------------------------------
     def after_iteration(self, trainer: Trainer) -> None:
         """Account for the first resumed iteration; drop buffers from before the failure
         once the new generation holds its own snapshot and every predecessor's replica."""
+        self.trained = True
         if self._account is not None:
             now = time.time()
             phases = dict(self._account["phases"])

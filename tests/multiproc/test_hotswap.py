@@ -154,9 +154,31 @@ def test_a_failure_in_the_first_iteration_rolls_back_to_the_state_training_start
     (done,) = _assert_recovered(events)
     assert done["iteration"] == 0 and done["replayed_iterations"] <= 1, done
     assert done["replaced"] == ({str(victim): "spare-0"} if kind == "permanent" else {})
+    # Restored from the start's snapshot, not set up again. A rank whose ring was still
+    # replicating it when the order came stops waiting without its log line (seen: 2 of 4).
+    assert not done.get("from_start"), done
     started = re.findall(r"iteration 0, where training starts, snapshotted and replicated",
                          result.output)  # fmt: skip
-    assert len(started) == 4, result.output[-3000:]
+    assert started, result.output[-3000:]
+
+
+@pytest.mark.parametrize("spec, kind", [("kill@1:0:setup", "permanent"),
+                                        ("raise@2:0:setup", "transient")])  # fmt: skip
+def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
+    tmp_path, baseline_pp2, spec, kind
+):
+    # Nothing is trained yet, and a rank whose set-up failed holds no snapshot: every rank
+    # sets up again in the next generation (a spare in a dead rank's place), the model seeded
+    # as at the job's start. Before, the job ended (with --save: restarted every process).
+    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1)
+    _assert_same_run(result, baseline_pp2)
+    victim = int(spec.split("@")[1].split(":")[0])
+    detected = _named(events, "failure_detected")
+    assert [(d["rank"], d["kind"]) for d in detected] == [(victim, kind)]
+    (done,) = _assert_recovered(events)
+    assert done["from_start"] and done["iteration"] == 0 and done["replayed_iterations"] == 0
+    assert done["replaced"] == ({str(victim): "spare-0"} if kind == "permanent" else {})
+    assert "every rank sets up again from the start" in result.output
 
 
 def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
@@ -340,7 +362,7 @@ def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2
     assert re.search(r"\[spare 1\] .*reserved while the spare was idle", result.output)
 
 
-@pytest.mark.parametrize("kill", ["kill@1:8", "kill@1:6:forward"])
+@pytest.mark.parametrize("kill", ["kill@1:8", "kill@1:6:forward", "kill@1:0:setup"])
 def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stops_with_it(
     tmp_path, baseline_pp2, kill
 ):
@@ -349,8 +371,9 @@ def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stop
     # to 10, the next multiple, losing rank 1 in iteration 8 to a spare: the spare starts from
     # the resumed iteration, and stops at 10 with the survivors because it reads the job's end
     # from the store (from iteration 0, the flags alone would end it at 5). Or in iteration 6,
-    # the first after the load: rolled back to the loaded state, snapshotted before it. The
-    # third trains 11-12. Together: the uninterrupted 12-iteration run, bitwise.
+    # the first after the load: rolled back to the loaded state, snapshotted before it. Or
+    # during the set-up: every rank sets up again and loads 5 again. The third trains 11-12.
+    # Together: the uninterrupted 12-iteration run, bitwise.
     ckpt = str(tmp_path / "ckpt")
     again = [*SHAPE_PP2, "--save", ckpt, "--load", ckpt, "--exit-interval", "5"]
     first = run_job(tmp_path, 4, again, name="first")
@@ -363,8 +386,9 @@ def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stop
     assert sorted(second.losses) == [6, 7, 8, 9, 10]
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"1": "spare-0"}
-    if kill.endswith(":6:forward"):
+    if not kill.endswith(":8"):
         assert done["iteration"] == 5, done  # the loaded state
+    assert done.get("from_start", False) == kill.endswith(":setup")
     assert "loaded checkpoint of iteration 10" in third.output
     assert sorted(third.losses) == [11, 12]
     assert {**first.losses, **second.losses, **third.losses} == baseline_pp2.losses

@@ -299,3 +299,23 @@ def test_the_first_resumed_iteration_is_counted_from_the_last_rank_resumed():
     assert phases["first_iteration"] == pytest.approx(0.35)  # not rank 0's 0.6
     assert phases["resume_skew"] == pytest.approx(0.3)
     assert phases["verify"] == pytest.approx(0.4)  # other phases: the slowest rank's
+
+
+def test_a_failure_before_anything_was_trained_is_planned_from_the_start(kv, tmp_path):
+    # Rank 3 died in its set-up; ranks 0-2 report nothing trained, rank 1 held nothing: every
+    # rank sets up again. A spare's idle build is not counted on (every rank builds, seeded as
+    # at the start), and the account names where the set-up found training starts.
+    coord, _ = make(kv, tmp_path)
+    rec = coord.order({3}, "rank 3 exited", 1.0)
+    for r, snapshots in ((0, {0}), (1, set()), (2, {0})):
+        report = HoldingsReport(RankHoldings(frozenset(snapshots), {}), 0, trained=False)
+        kv.set(keys.holdings(JOB, 1, r), report.encode())
+    held = coord.gather(rec, lambda r: None, None)
+    plan = coord.decide(rec, held, ["spare-0"], {"spare-0": (3,)})
+    assert plan.from_start and plan.replaced == {3: "spare-0"} and plan.prebuilt == ()
+    assert PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 1))).plan == plan
+    for r in range(4):  # each resumed at 5 (--load), the first iteration 6 done
+        kv.set(keys.recovered(JOB, 1, r), Recovered({}, 2.0, 6, 0).encode())
+    summary = coord.poll_done()
+    assert summary["from_start"] and summary["iteration"] == 5
+    assert summary["replayed_iterations"] == 0

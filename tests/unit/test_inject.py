@@ -35,7 +35,8 @@ def test_valid_specs_parse_in_order_with_the_default_phase():
 @pytest.mark.parametrize("phase", PHASES)
 def test_every_phase_round_trips(phase):
     action = "kill" if phase == "finish" else "hang"  # only a kill acts after training
-    (fault,) = parse_faults(f"{action}@2:9:{phase}")
+    iteration = 0 if phase == "setup" else 9  # the set-up comes before any iteration
+    (fault,) = parse_faults(f"{action}@2:{iteration}:{phase}")
     assert fault.phase == phase and parse_faults(str(fault)) == (fault,)
 
 
@@ -55,6 +56,8 @@ def test_empty_means_no_faults(text):
         ("kill@x:5", "kill@x:5", "not of the form"),
         ("kill@1:5:forward:extra", "kill@1:5:forward:extra", "not of the form"),
         ("kill@1:0", "kill@1:0", "must be >= 1"),
+        ("kill@1:0:forward", "kill@1:0:forward", "0 only with phase setup"),
+        ("raise@1:3:setup", "raise@1:3:setup", r"write raise@1:0:setup"),
         ("kill-spare@0:5:forward", "kill-spare@0:5:forward", "takes no phase"),
         ("kill@1:5,", "", "not of the form"),
         ("kill@1:5,,raise@2:6", "", "not of the form"),

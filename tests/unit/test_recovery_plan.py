@@ -1,10 +1,13 @@
 """The recovery planner as a table: who replaces whom, what moves, or what was lost."""
 
+import dataclasses
+
 import pytest
 
 from deadpool_megatron.control.membership import Member, Membership
 from deadpool_megatron.errors import DeadpoolError
 from deadpool_megatron.recovery.plan import (
+    FROM_START,
     RankHoldings,
     RecoveryPlan,
     TrainingFinished,
@@ -120,6 +123,42 @@ def test_no_common_snapshot_is_unrecoverable():
     h[1] = RankHoldings(frozenset({7}), {0: frozenset({7})})
     with pytest.raises(Unrecoverable, match="share no committed snapshot iteration"):
         plan_recovery(view(TOPO_DP4), TOPO_DP4, {0}, h)
+
+
+@pytest.mark.parametrize("held", ["nothing", "some", "start snapshots"])
+def test_before_anything_is_trained_every_rank_sets_up_again_where_nothing_restores(held):
+    # A failure during the set-up: a rank whose set-up failed holds nothing, others may hold
+    # the start's snapshot. Where a plan can restore it, it does; else everything is set up
+    # again from the start. Trained ranks never are: their work would be redone.
+    h = holdings(TOPO_3D, {0}, snapshots=(0,))
+    if held != "start snapshots":
+        h[1] = RankHoldings(frozenset(), {})
+    if held == "nothing":
+        h = {r: RankHoldings(frozenset(), {}) for r in h}
+    plan = plan_recovery(view(TOPO_3D), TOPO_3D, {0}, h, untrained=True)
+    check_plan(plan, TOPO_3D)
+    assert plan.replaced == {0: "spare-0"} and plan.generation == 1
+    if held == "start snapshots":
+        assert not plan.from_start and plan.iteration == 0 and plan.transfers
+    else:
+        assert plan.from_start and plan.iteration == FROM_START
+        assert plan.transfers == () and plan.local_restores == ()
+        with pytest.raises(Unrecoverable, match="share no committed snapshot iteration"):
+            plan_recovery(view(TOPO_3D), TOPO_3D, {0}, h)  # trained: nothing to set up again
+
+
+def test_a_plan_from_the_start_restores_nothing_and_its_ranks_must_agree_where_they_start():
+    h = {r: RankHoldings(frozenset(), {}) for r in range(1, 8)}
+    plan = plan_recovery(view(TOPO_3D), TOPO_3D, {0}, h, untrained=True)
+    with pytest.raises(DeadpoolError, match="restores nothing"):
+        check_plan(dataclasses.replace(plan, local_restores=(1,)), TOPO_3D)
+    facts = _facts(plan, TOPO_3D, 42)
+    facts = [(g, 5, v, *c) for g, _, v, *c in facts]  # each found the checkpoint of 5
+    assert generation_problems(plan, 42, facts, TOPO_3D) == []
+    facts[3] = (facts[3][0], 0, *facts[3][2:])  # one found none
+    assert generation_problems(plan, 42, facts, TOPO_3D) == [
+        "rank 3 restored iteration 0, rank 0 5"
+    ]
 
 
 def test_check_plan_rejects_a_rank_restored_twice_or_from_a_failed_source():

@@ -2,10 +2,12 @@
 on a real in-process TCPStore with a fake clock (no worker processes, no process groups); and
 the attempt loop: a failed attempt never reuses its generation, the next order is joined."""
 
+import dataclasses
 import gc
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +15,7 @@ from deadpool_megatron.config import JobConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.messages import (
+    FROM_START,
     Flag,
     HoldingsReport,
     Member,
@@ -115,7 +118,8 @@ def test_holdings_are_reported_for_the_generation(kv):
     recovery.completed = 7
     recovery.report_holdings(3)
     report = HoldingsReport.decode(kv.get(keys.holdings(JOB, 3, 1)))
-    assert report == HoldingsReport(RankHoldings(frozenset(), {}), 7)
+    # Nothing trained in this process yet: a plan may set everything up again.
+    assert report == HoldingsReport(RankHoldings(frozenset(), {}), 7, trained=False)
 
 
 def test_await_plan_returns_it_stops_on_unrecoverable_and_yields_to_a_newer_order(kv):
@@ -180,7 +184,7 @@ class Scripted(ProcessRecovery):
         outcome = self.outcomes[plan.generation]
         if isinstance(outcome, BaseException):
             raise outcome
-        return outcome
+        return SimpleNamespace(trainer=trainer)  # what complete() would resume
 
     def complete(self, plan, rebuilt):
         self.ctx.advance(plan.generation)
@@ -203,6 +207,29 @@ def test_a_failed_attempt_waits_for_a_newer_order_and_never_reuses_its_generatio
     for g in (1, 2):  # holdings reported for both generations
         assert kv.get(keys.holdings(JOB, g, 1)) is not None
     assert recovery.progress.read().phase == "recovery"
+
+
+def test_a_failed_set_up_is_set_up_again_only_by_a_plan_from_the_start(kv):
+    # Its set-up failed: it holds no trainer and nothing trained, so it reports that, and
+    # only a plan that sets every rank up again can seat it; one that restores state cannot.
+    time_ = FakeTime()
+    reported = []
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    recovery.report = reported.append
+    Scripted.outcomes = {1: object(), 2: object()}
+    fresh = dataclasses.replace(plan(1), iteration=FROM_START, local_restores=(),
+                                from_start=True)  # fmt: skip
+    kv.set(keys.recovery_plan(JOB, 1), PlanDecision(fresh, 1).encode())
+    time_.at.append((0.1, lambda: ctx.see_order(1)))
+    err = RuntimeError("connection reset by peer")
+    recovery.set_up_again(err, make_trainer=None)
+    assert reported == [err] and ctx.generation == 1 and recovery.abort.aborts == 1
+    assert not HoldingsReport.decode(kv.get(keys.holdings(JOB, 1, 1))).trained
+    kv.set(keys.recovery_plan(JOB, 2), PlanDecision(plan(2), 8).encode())
+    time_.at.append((time_.t + 0.1, lambda: ctx.see_order(2)))
+    with pytest.raises(RecoveryFailed, match="set-up failed, but the plan of generation 2 "
+                       "restores iteration 5"):  # fmt: skip
+        recovery.set_up_again(RuntimeError("again"), make_trainer=None)
 
 
 def test_a_process_that_failed_by_itself_reports_it_before_stopping(kv):
