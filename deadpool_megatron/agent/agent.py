@@ -168,13 +168,14 @@ class Agent:
         a = self.args
         return max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
 
-    def expected_spares(self) -> list[str]:
+    def expected_spares(self) -> dict[str, int]:
+        """Every spare the job is launched with: its id -> its node."""
         a = self.args
-        return [
-            spare_id(self.spare_index(s, node))
+        return {
+            spare_id(self.spare_index(s, node)): node
             for node in range(self.node_count)
             for s in range(a.nproc_per_node if node >= a.nnodes else a.spares)
-        ]
+        }
 
     def start(self) -> None:
         a = self.args
@@ -199,6 +200,14 @@ class Agent:
             )  # fmt: skip
         if self.node == 0 and self.restarts == 0:
             self._log_layout()
+        # The first lease already names what this node hosts: a failure in the job's first
+        # second must find this node's spares in it (the watch loop keeps it current).
+        started = self.children.all
+        self._hosted = Hosted(
+            self.ctx.generation,
+            tuple(sorted(c.index for c in started if c.role == ROLE_WORKER)),
+            tuple(spare_id(c.index) for c in started if c.role == ROLE_SPARE),
+        )  # fmt: skip
         self._stop_lease()
         if self.node_count > 1:  # nobody watches a single node's lease
             self.lease = Lease(self._lease_context(), self.node, lambda: self._hosted,
@@ -294,7 +303,8 @@ class Agent:
     def watch(self) -> int:
         """Watch the job until it ends (exit status) or restarts (RESTART)."""
         run = self._new_run()
-        self.swap = HotSwap(self.ctx, self.node, run, self.events, self.settings.on_unrecoverable)
+        self.swap = HotSwap(self.ctx, self.node, run, self.events, self.settings.on_unrecoverable,
+                            self.expected_spares())  # fmt: skip
         try:
             return self._watch(run)
         except StoreUnreachable as err:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..control import keys
@@ -79,7 +80,8 @@ class Stop:
 
 class HotSwap:
     def __init__(self, ctx: JobContext, node: int, run: Run, events: EventLog,
-                 on_unrecoverable: str):  # fmt: skip
+                 on_unrecoverable: str, launched: Mapping[str, int] | None = None):  # fmt: skip
+        """`launched`: every spare the job was launched with (its id -> its node)."""
         self.ctx = ctx
         self.kv = ctx.kv
         self.node = node
@@ -87,6 +89,7 @@ class HotSwap:
         self.coordinator = run.coordinator
         self.events = events
         self.on_unrecoverable = on_unrecoverable
+        self.launched = dict(launched or {})
         self._next_node_look = 0.0
 
     def fence(self, rank: int, reason: str) -> None:
@@ -201,10 +204,18 @@ class HotSwap:
         return spares
 
     def _starting(self) -> list[str]:
-        """Spares alive here, or listed by a live node's lease, not ready yet."""
+        """Spares alive here, listed by a live node's lease, or launched on a node whose lease
+        is not seen yet (`_unlisted`), that are not ready yet."""
         local = [spare_id(c.index) for c in self.run.pool.idle if c.alive()]
-        ids = dict.fromkeys([*local, *self.run.nodes.hosted_spares()])
+        ids = dict.fromkeys([*local, *self.run.nodes.hosted_spares(), *self._unlisted()])
         return [sid for sid in ids if not self._ready(sid)]
+
+    def _unlisted(self) -> list[str]:
+        """The spares the job was launched with on another node whose lease this agent has
+        not seen yet: a failure in the job's first seconds can come before it, and the
+        spares' own registration and heartbeat are then all there is to go by."""
+        return [sid for sid, node in self.launched.items() if node != self.node
+                and not self.run.nodes.seen(node) and not self.run.nodes.is_lost(node)]  # fmt: skip
 
     def _free_spares(self, failed: set[int]) -> Spares:
         """The spares free to take over, in the order the plan should use them (by node, and
@@ -212,6 +223,7 @@ class HotSwap:
         can take over with what it built while idle (read once, for the order and the plan)."""
         membership = MembershipStore(self.kv, self.ctx.job)
         current = membership.current()
+        unlisted = set(self._unlisted())
         local = {spare_id(c.index): c for c in self.run.pool.idle}
         free: dict[str, int | None] = {}
         for sid in self._candidates(current.spares, local):
@@ -222,6 +234,8 @@ class HotSwap:
                     free[sid] = self.node
                 continue
             node = self.run.nodes.node_of_spare(sid)
+            if node is None and sid in unlisted:  # its node's lease not seen yet
+                node = self.launched[sid]
             if node is None or self.run.nodes.is_lost(node):
                 continue
             if self.kv.get(keys.spare(self.ctx.job, sid)) is not None:
@@ -241,8 +255,10 @@ class HotSwap:
 
     def _candidates(self, members: tuple[str, ...], local: dict[str, Child]) -> list[str]:
         """The membership's spares, then spares started since (replenishing a pool, here or
-        on another node) once they are ready: one still warming up is not relied on."""
-        new = [sid for sid in (*local, *self.run.nodes.hosted_spares()) if sid not in members]
+        on another node, or on a node whose lease is not seen yet) once they are ready: one
+        still warming up is not relied on."""
+        seen = (*local, *self.run.nodes.hosted_spares(), *self._unlisted())
+        new = [sid for sid in seen if sid not in members]
         return [*members, *dict.fromkeys(sid for sid in new if self._ready(sid))]
 
     def _ready(self, sid: str) -> bool:

@@ -192,6 +192,10 @@ class NodeWatch:
     def is_lost(self, node: int) -> bool:
         return node in self._lost
 
+    def seen(self, node: int) -> bool:
+        """Whether a lease of `node` has been read yet."""
+        return node in self._seen
+
     def declare_lost(self, beat: AgentBeat) -> None:
         """Another agent's recovery counted this node lost: stop watching it."""
         self._lost.setdefault(beat.node, beat)

@@ -169,8 +169,8 @@ def test_sigterm_noted_before_a_failure_stops_every_rank_after_the_recovered_ite
     # Slurm's notice comes while rank 1 is in a slow phase of iteration 6, and rank 1 dies as
     # that iteration's snapshot starts, before the ranks ask each other about the signal: the
     # recovery rolls back to 5 and a spare takes rank 1 over. The signal the survivors noted
-    # before the recovery still stops every rank after one same iteration, saved; the same
-    # command then resumes it, together bitwise equal to the uninterrupted run.
+    # before the recovery still stops every rank after one same iteration, saved, every loss
+    # equal to the uninterrupted run's (resuming such a save: the test above).
     ckpt = str(tmp_path / "ckpt")
     args = [*SHAPE_PP2, "--deadpool", "--log-interval", "1", "--save", ckpt, "--load", ckpt,
             "--exit-signal-handler"]  # fmt: skip
@@ -181,10 +181,5 @@ def test_sigterm_noted_before_a_failure_stops_every_rank_after_the_recovered_ite
     assert "spare 0 claimed: takes over rank 1" in first.output
     stopped = latest_iteration(ckpt)
     assert stopped is not None and 6 <= stopped < 12, first.output[-3000:]
-    assert sorted(first.losses) == list(range(1, stopped + 1))
+    assert first.losses == {i: baseline.losses[i] for i in range(1, stopped + 1)}
     assert f"every rank stops after iteration {stopped}, saving it" in first.output
-    second = run_job(tmp_path, 4, args, name="second")
-    assert second.returncode == 0, second.failure()
-    assert f"loaded checkpoint of iteration {stopped}" in second.output
-    assert {**first.losses, **second.losses} == baseline.losses
-    assert second.digest == baseline.digest

@@ -5,6 +5,7 @@ the same configuration (per-iteration loss hex values and the final state digest
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -44,6 +45,19 @@ def baseline_pp2(tmp_path_factory):
     result = run_job(tmp_path_factory.mktemp("base_pp2"), 4, SHAPE_PP2, name="baseline")
     assert result.returncode == 0, result.failure()
     return result
+
+
+@pytest.fixture(scope="module")
+def first_five(tmp_path_factory):
+    """The same job with --exit-interval 5 and --save: iterations 1-5 and their checkpoint,
+    which tests copy (a job that loads it trains on from iteration 5)."""
+    path = tmp_path_factory.mktemp("first_five")
+    ckpt = str(path / "ckpt")
+    again = [*SHAPE_PP2, "--save", ckpt, "--load", ckpt, "--exit-interval", "5"]
+    result = run_job(path, 4, again, name="first")
+    assert result.returncode == 0, result.failure()
+    assert sorted(result.losses) == [1, 2, 3, 4, 5]
+    return result, path / "ckpt"
 
 
 @pytest.fixture(scope="module")
@@ -162,21 +176,29 @@ def test_a_failure_in_the_first_iteration_rolls_back_to_the_state_training_start
     assert started, result.output[-3000:]
 
 
-@pytest.mark.parametrize("spec, kind", [("kill@1:0:setup", "permanent"),
-                                        ("raise@2:0:setup", "transient")])  # fmt: skip
+@pytest.mark.parametrize("spec, kind, load", [("kill@1:0:setup", "permanent", False),
+                                              ("raise@2:0:setup", "transient", True)])  # fmt: skip
 def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
-    tmp_path, baseline_pp2, spec, kind
+    tmp_path, baseline_pp2, first_five, spec, kind, load
 ):
     # Nothing is trained yet, and a rank whose set-up failed holds no snapshot: every rank
     # sets up again in the next generation (a spare in a dead rank's place), the model seeded
-    # as at the job's start. Before, the job ended (with --save: restarted every process).
-    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1)
-    _assert_same_run(result, baseline_pp2)
+    # as at the job's start, or --load's checkpoint (of iteration 5) read again. Before, the
+    # job ended (with --save: restarted every process).
+    extra = []
+    if load:
+        shutil.copytree(first_five[1], tmp_path / "ckpt")
+        extra = ["--load", str(tmp_path / "ckpt")]
+    result, events = _run(tmp_path, 4, SHAPE_PP2, spec, spares=1, extra=extra)
+    start = 5 if load else 0
+    assert result.returncode == 0, result.failure()
+    assert result.losses == {i: baseline_pp2.losses[i] for i in range(start + 1, 13)}
+    assert result.digest == baseline_pp2.digest
     victim = int(spec.split("@")[1].split(":")[0])
     detected = _named(events, "failure_detected")
     assert [(d["rank"], d["kind"]) for d in detected] == [(victim, kind)]
     (done,) = _assert_recovered(events)
-    assert done["from_start"] and done["iteration"] == 0 and done["replayed_iterations"] == 0
+    assert done["from_start"] and done["iteration"] == start and done["replayed_iterations"] == 0
     assert done["replaced"] == ({str(victim): "spare-0"} if kind == "permanent" else {})
     assert "every rank sets up again from the start" in result.output
 
@@ -362,21 +384,21 @@ def test_two_sequential_permanent_failures_use_two_spares(tmp_path, baseline_pp2
     assert re.search(r"\[spare 1\] .*reserved while the spare was idle", result.output)
 
 
-@pytest.mark.parametrize("kill", ["kill@1:8", "kill@1:6:forward", "kill@1:0:setup"])
+@pytest.mark.parametrize("kill", ["kill@1:8", "kill@1:6:forward"])
 def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stops_with_it(
-    tmp_path, baseline_pp2, kill
+    tmp_path, baseline_pp2, first_five, kill
 ):
     # Megatron-LM's requeue pattern: the same flags each time, --exit-interval 5 and --load of
     # the job's own --save. The first job trains 1-5 and exits; the second loads 5 and trains
     # to 10, the next multiple, losing rank 1 in iteration 8 to a spare: the spare starts from
     # the resumed iteration, and stops at 10 with the survivors because it reads the job's end
     # from the store (from iteration 0, the flags alone would end it at 5). Or in iteration 6,
-    # the first after the load: rolled back to the loaded state, snapshotted before it. Or
-    # during the set-up: every rank sets up again and loads 5 again. The third trains 11-12.
-    # Together: the uninterrupted 12-iteration run, bitwise.
+    # the first after the load: rolled back to the loaded state, snapshotted before it. The
+    # third trains 11-12. Together: the uninterrupted 12-iteration run, bitwise.
+    first, saved = first_five  # the first launch, shared
     ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved, ckpt)
     again = [*SHAPE_PP2, "--save", ckpt, "--load", ckpt, "--exit-interval", "5"]
-    first = run_job(tmp_path, 4, again, name="first")
     second, events = _run(tmp_path, 4, again, kill, spares=1)
     third = run_job(tmp_path, 4, again, name="third")
     for job in (first, second, third):
@@ -386,9 +408,8 @@ def test_a_job_submitted_again_at_its_exit_interval_trains_on_and_its_spare_stop
     assert sorted(second.losses) == [6, 7, 8, 9, 10]
     (done,) = _assert_recovered(events)
     assert done["replaced"] == {"1": "spare-0"}
-    if not kill.endswith(":8"):
+    if kill.endswith(":6:forward"):
         assert done["iteration"] == 5, done  # the loaded state
-    assert done.get("from_start", False) == kill.endswith(":setup")
     assert "loaded checkpoint of iteration 10" in third.output
     assert sorted(third.losses) == [11, 12]
     assert {**first.losses, **second.losses, **third.losses} == baseline_pp2.losses

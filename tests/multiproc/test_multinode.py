@@ -273,6 +273,28 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
     assert replays == ["0"] * 12, replays  # 5 survivors and a spare, then 4 and two spares
 
 
+def test_a_rank_killed_in_its_set_up_on_another_node_is_set_up_again_with_a_spare_node(
+    tmp_path, baseline
+):
+    # Rank 4 (node 2) dies during its set-up, before anything is trained and while the other
+    # nodes' ranks are still in theirs: every rank of the three nodes sets up again in
+    # generation 1, a spare of the spare node in rank 4's place.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@4:0:setup"]
+    nodes = start_nodes(tmp_path, 3, 1, NPROC, args)
+    try:
+        rcs = nodes.wait(400)
+    finally:
+        nodes.stop()
+    assert rcs == [0, 0, 0, 0], result(nodes).failure()
+    job = result(nodes)
+    assert job.losses == baseline.losses and job.digest == baseline.digest
+    (done,) = _named(read_events(str(log)), "recovery_done")
+    assert done["from_start"] and done["iteration"] == 0
+    assert done["replaced"] == {"4": "spare-6"}
+    assert "every rank sets up again from the start" in nodes.all_output()
+
+
 def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_as_finished(
     tmp_path, baseline
 ):

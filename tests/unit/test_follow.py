@@ -1,6 +1,6 @@
-"""An agent following a recovery another node coordinates, on a real in-process TCPStore: its
-ranks that exited 0 are reported finished (not lost, not fenced), and a decision that the
-job finished ends it as succeeded."""
+"""An agent's side of a recovery on a real in-process TCPStore: following one another node
+coordinates (its ranks that exited 0 are reported finished, not lost, not fenced, and a
+decision that the job finished ends it as succeeded), and the spares it counts free."""
 
 import threading
 import time
@@ -9,7 +9,8 @@ from types import SimpleNamespace
 from deadpool_megatron.agent.hotswap import HotSwap, Stop
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
-from deadpool_megatron.control.messages import PlanDecision, RankLost, RecoveryOrder
+from deadpool_megatron.control.membership import Member, Membership, MembershipStore
+from deadpool_megatron.control.messages import Flag, PlanDecision, RankLost, RecoveryOrder
 from deadpool_megatron.events import EventLog
 
 JOB = "follow-test"
@@ -51,3 +52,27 @@ def test_a_follower_says_its_ranks_finished_and_ends_as_finished(kv):
     follower.join(10)
     assert got["stop"] == Stop(False, "ranks [0, 1, ...] finished", finished=True)
     assert ctx.generation == 1
+
+
+def test_spares_of_a_node_whose_lease_is_not_seen_yet_count_by_their_own_records(kv):
+    # A failure in the job's first second: node 3's lease is not read yet. Its spare that
+    # registered and beats is free; one still warming up is waited for; once the lease is
+    # read and names neither (not alive), neither counts.
+    ctx = JobContext(kv, JOB)
+    members = tuple(Member(r, f"w{r}", (0, 0, r)) for r in range(6))
+    MembershipStore(kv, JOB).create(Membership(0, members, ("spare-6",)))
+    kv.set(keys.spare(JOB, "spare-6"), Flag("spare-6").encode())
+    kv.set(keys.spare_heartbeat(JOB, "spare-6"), Flag("spare-6").encode())
+    read = set()
+    nodes = SimpleNamespace(
+        node_of_spare=lambda sid: None, seen=lambda node: node in read, is_lost=lambda n: False,
+        hosted_spares=lambda: [], host_of=lambda rank: 2, busy=lambda: {0, 1, 2},
+        lost_nodes=lambda: set(),
+    )  # fmt: skip
+    run = SimpleNamespace(pool=SimpleNamespace(idle=[]), nodes=nodes, workers={},
+                          coordinator=SimpleNamespace(claimer="node 2"))  # fmt: skip
+    swap = HotSwap(ctx, 2, run, EventLog(None), "stop", {"spare-6": 3, "spare-7": 3})
+    assert swap._free_spares({4})[0] == ["spare-6"]
+    assert swap._starting() == ["spare-7"]
+    read.add(3)
+    assert swap._free_spares({4})[0] == [] and swap._starting() == []
