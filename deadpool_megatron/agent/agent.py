@@ -123,7 +123,9 @@ class Agent:
     def host_store(self) -> None:
         """The job's store (`launches.open_store`), the job id every agent uses, this
         launch's claim on its keys where they outlive it, and, with several nodes, every
-        node's launch compared with the others' before any process starts."""
+        node's launch compared with the others' before any process starts. The fork server
+        boots meanwhile (a second or more of imports, in its own process)."""
+        self.children.prepare()
         self.store, self.kv, self.port = open_store(self.args, self.settings.protection,
                                                     self.port)  # fmt: skip
         if not self.job_id:

@@ -93,13 +93,19 @@ class Children:
         self._use_forks = launch.fork_server  # until the server proves unusable
 
     def _fork_server(self) -> ForkServer | None:
-        """The fork server, started with the first child (bad input started nothing)."""
+        """The fork server, started with the first child or by `prepare` (bad input started
+        nothing)."""
         if self._forks is None and self._use_forks:
             folder = os.path.dirname(os.path.abspath(self.launch.script))
             self._forks = ForkServer(server_env(os.environ), self.launch.fork_preload,
                                      self._printer("[fork server] "), script_folder=folder,
                                      zygote=self.launch.fork_zygote)  # fmt: skip
         return self._forks
+
+    def prepare(self) -> None:
+        """Start the fork server now, so that it imports torch and megatron-core (seconds)
+        while the agent sets up the job's store, rather than after."""
+        self._fork_server()
 
     @staticmethod
     def _base_env() -> dict[str, str]:
