@@ -3,9 +3,8 @@ and patched Megatron-LM's alike: parse the command line (a bad value ends the pr
 status 2 and one message, before anything heavy is imported), answer the launcher's preflight,
 then wait as a spare or train as a worker. With --exit-signal-handler, SIGTERM is noted from
 here on (before the heavy imports and the set-up), so a Slurm notice that comes early is not a
-death. Bad input found later (a checkpoint under --load,
-the data) ends the process the same way, and deadpool-launch ends the job on that status
-rather than hot-swapping the rank."""
+death. Bad input found later (a checkpoint under --load, the data) ends the process the same
+way, and deadpool-launch ends the job on that status rather than hot-swapping the rank."""
 
 from __future__ import annotations
 
@@ -28,8 +27,8 @@ def run_process(
     become: Callable[[JobConfig], Callable] | None = None,
     prog: str = "pretrain_gpt.py",
 ) -> int:
-    """`train(cfg, env, exit_signal)` as a worker; as a spare, idle until claimed, then our own worker or
-    `become(cfg)`'s way in. Returns the exit status."""
+    """`train(cfg, env, exit_signal)` as a worker; as a spare, idle until claimed, then our
+    own worker or `become(cfg)`'s way in. Returns the exit status."""
     env = ProcessEnv.from_environ()
     try:
         cfg = parse(env)
