@@ -123,9 +123,10 @@ class Agent:
     def host_store(self) -> None:
         """The job's store (`launches.open_store`), the job id every agent uses, this
         launch's claim on its keys where they outlive it, and, with several nodes, every
-        node's launch compared with the others' before any process starts. The fork server
-        boots meanwhile (a second or more of imports, in its own process)."""
-        self.children.prepare()
+        node's launch compared with the others' before any process starts. Where this agent
+        imports torch for a TCPStore (a second or more), its fork server boots meanwhile."""
+        if not self._outlives_launches():
+            self.children.prepare()
         self.store, self.kv, self.port = open_store(self.args, self.settings.protection,
                                                     self.port)  # fmt: skip
         if not self.job_id:
