@@ -248,7 +248,8 @@ class DeadpoolConfig:
         "recovers from a failure in ITER), save (after writing the checkpoint of ITER, before "
         "it is marked complete; the save at the end too), finish (kill only, ITER the last "
         "iteration: after RANK finished training, its final save and the replication's agreed "
-        "stop). Each fault fires once per job.",
+        "stop), setup (ITER 0, and only there: during RANK's set-up, its groups up and its "
+        "model built). Each fault fires once per job.",
     )
     deadpool_store: str = knob(
         "tcp",
