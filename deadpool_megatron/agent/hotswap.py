@@ -223,10 +223,10 @@ class HotSwap:
         can take over with what it built while idle (read once, for the order and the plan)."""
         membership = MembershipStore(self.kv, self.ctx.job)
         current = membership.current()
-        unlisted = set(self._unlisted())
+        unlisted = self._unlisted()
         local = {spare_id(c.index): c for c in self.run.pool.idle}
         free: dict[str, int | None] = {}
-        for sid in self._candidates(current.spares, local):
+        for sid in self._candidates(current.spares, local, unlisted):
             if not membership.claimable(sid, current.generation, self.coordinator.claimer):
                 continue  # it withdrew (SIGTERM), or a claim whose commit lost holds it
             if sid in local:
@@ -253,11 +253,13 @@ class HotSwap:
                  for s in spares}  # fmt: skip
         return {s: p.ranks for s, p in found.items() if p is not None}
 
-    def _candidates(self, members: tuple[str, ...], local: dict[str, Child]) -> list[str]:
+    def _candidates(
+        self, members: tuple[str, ...], local: dict[str, Child], unlisted: list[str]
+    ) -> list[str]:
         """The membership's spares, then spares started since (replenishing a pool, here or
         on another node, or on a node whose lease is not seen yet) once they are ready: one
         still warming up is not relied on."""
-        seen = (*local, *self.run.nodes.hosted_spares(), *self._unlisted())
+        seen = (*local, *self.run.nodes.hosted_spares(), *unlisted)
         new = [sid for sid in seen if sid not in members]
         return [*members, *dict.fromkeys(sid for sid in new if self._ready(sid))]
 

@@ -93,14 +93,19 @@ def reset_global_state() -> None:
     destroy_distributed()
 
 
+def _signal_handler():
+    """Megatron-LM's current --exit-signal-handler handler, or None."""
+    from megatron.training import global_vars
+
+    return getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+
+
 def exit_signal_noted() -> Callable[[], bool] | None:
     """Whether Megatron-LM's current --exit-signal-handler handler has received its signal, as
     a question to ask later; None without one. destroy_global_state drops the handler without
     releasing it, so it stays installed and noting until pretrain() installs the next one,
     which starts unaware: what the dropped one noted must be carried over."""
-    from megatron.training import global_vars
-
-    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    handler = _signal_handler()
     if handler is None:
         return None
     return lambda: bool(getattr(handler, "_signal_received", False))
@@ -108,9 +113,7 @@ def exit_signal_noted() -> Callable[[], bool] | None:
 
 def exit_signal_number() -> int | None:
     """The signal Megatron-LM's current handler waits for (--exit-signal), or None."""
-    from megatron.training import global_vars
-
-    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    handler = _signal_handler()
     return None if handler is None else int(handler.sig)
 
 

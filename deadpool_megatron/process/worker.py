@@ -154,9 +154,7 @@ def run_worker(
             try:  # a failure during the set-up: every rank sets up again, a spare in its place
                 trainer = recovery.set_up_again(err, make_trainer)
             except RecoveryFailed as lost:
-                log.error("cannot recover: %s", lost)
-                guard.close()
-                return 1
+                return _cannot_recover(guard, lost)
         if guard is not None:
             guard.client.publish_training_end(trainer.end_iteration)
     log.info(
@@ -176,9 +174,7 @@ def run_worker(
             try:
                 recovery.recover(trainer, err)
             except RecoveryFailed as lost:
-                log.error("cannot recover: %s", lost)
-                guard.close()
-                return 1
+                return _cannot_recover(guard, lost)
     progress.mark(trainer.iteration, "finish")
     _finish(cfg, trainer)
     session.inject(trainer.iteration, "finish")  # kill@RANK:LAST:finish: a death after the end
@@ -188,6 +184,12 @@ def run_worker(
         guard.close()
     log.debug("worker done")
     return 0
+
+
+def _cannot_recover(guard: Guard, lost: RecoveryFailed) -> int:
+    log.error("cannot recover: %s", lost)
+    guard.close()
+    return 1
 
 
 def _trainer(

@@ -28,8 +28,8 @@ from ..control.messages import (
 from ..errors import DeadpoolError
 from ..topology import Topology
 
-__all__ = ["FROM_START", "RankHoldings", "RecoveryPlan", "TrainingFinished", "Transfer", "Unrecoverable",
-           "check_plan", "generation_problems", "plan_recovery"]  # fmt: skip
+__all__ = ["FROM_START", "RankHoldings", "RecoveryPlan", "TrainingFinished", "Transfer",
+           "Unrecoverable", "check_plan", "generation_problems", "plan_recovery"]  # fmt: skip
 
 
 class Unrecoverable(DeadpoolError):
