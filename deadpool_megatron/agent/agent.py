@@ -23,7 +23,7 @@ from ..agreement import LAUNCH_SHAPE
 from ..control import keys
 from ..control.chaos import Chaos
 from ..control.context import JobContext
-from ..control.membership import MembershipStore
+from ..control.membership import MembershipError, MembershipStore
 from ..control.messages import (
     AgentBeat,
     Flag,
@@ -352,7 +352,7 @@ class Agent:
             run.chaos.step(run.monitor.iteration, running=running)
             if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
-                run.up = self._membership_up(run.pool.idle)
+                run.up = self._membership_up(run.pool.idle, record=self.node == 0)
             if run.workers and all(c.proc.poll() == 0 for c in run.workers.values()):
                 return self.finish(run)
             time.sleep(POLL_S)
@@ -397,7 +397,9 @@ class Agent:
     def _act(self, detection: Detection, run: Run) -> int | None:
         c = detection.classification
         if not run.up and self.settings.protection.deadpool:
-            run.up = self._membership_up(run.pool.idle)  # every rank may have registered since
+            # every rank may have registered since: any agent deciding on a failure records
+            # generation 0 then, not only node 0 (whose poll may come a moment later)
+            run.up = self._membership_up(run.pool.idle, record=True)
         response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
                            run.up)  # fmt: skip
         fence_s = 0.0
@@ -468,12 +470,16 @@ class Agent:
         log.warning("rank %d suspected, not fenced: %s", rank, reason)
         self.events.emit(SUSPECTED, rank=rank, reason=reason)
 
-    def _membership_up(self, spares: list[Child]) -> bool:
-        """Node 0 records generation 0's membership once every rank (and every spare that
-        is alive to register) has; the other nodes wait to see it."""
+    def _membership_up(self, spares: list[Child], record: bool) -> bool:
+        """Whether generation 0's membership is recorded. With `record`, record it once every
+        rank has registered (with every spare that is alive to register): node 0 polls for
+        that, and any agent deciding on a failure does it first (a spare registering later
+        joins as a replenished one does); the first writer wins."""
         members = MembershipStore(self.kv, self.job_id)
-        if self.node != 0:
-            return members.current() is not None
+        if members.current() is not None:
+            return True
+        if not record:
+            return False
         holders = [
             self.ctx.get(keys.registration(self.job_id, 0, r), Registration)
             for r in range(self.world_size)
@@ -490,7 +496,10 @@ class Agent:
             for sid in self.expected_spares()
             if (local[sid].alive() if sid in local else self.kv.get(keys.spare(self.job_id, sid)))
         )
-        members.create(Membership(0, ranks, ids))
+        try:
+            members.create(Membership(0, ranks, ids))
+        except MembershipError:
+            return True  # another agent recorded it first
         log.info("generation 0: %d ranks and %d spare(s) recorded", len(ranks), len(ids))
         return True
 
