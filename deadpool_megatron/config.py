@@ -249,7 +249,8 @@ class DeadpoolConfig:
         "it is marked complete; the save at the end too), finish (kill only, ITER the last "
         "iteration: after RANK finished training, its final save and the replication's agreed "
         "stop), setup (ITER 0, and only there: during RANK's set-up, its groups up and its "
-        "model built). Each fault fires once per job.",
+        "model built), launch (kill only, ITER 0: connected to the job's store, before RANK "
+        "registers with it, as a death in its imports). Each fault fires once per job.",
     )
     deadpool_store: str = knob(
         "tcp",

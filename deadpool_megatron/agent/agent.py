@@ -48,6 +48,7 @@ from ..events import (
     JOB_ENDED,
     JOB_RESTART,
     NODE_LOST,
+    RANK_RELAUNCHED,
     SUSPECTED,
     EventLog,
 )
@@ -400,8 +401,9 @@ class Agent:
             # every rank may have registered since: any agent deciding on a failure records
             # generation 0 then, not only node 0 (whose poll may come a moment later)
             run.up = self._membership_up(run.pool.idle, record=True)
+        registered = run.up or not isinstance(c.evidence, ProcessExited) or self._registered(c.rank)
         response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
-                           run.up)  # fmt: skip
+                           run.up, registered, c.rank in run.relaunched)  # fmt: skip
         fence_s = 0.0
         if response.fence:
             t = time.time()
@@ -411,6 +413,8 @@ class Agent:
             self._log_detection(detection, run.monitor.iteration)
         if response.action is Action.RESTART:
             return self.restart(f"failure of rank {c.rank}")
+        if response.action is Action.RELAUNCH:
+            return self._relaunch(c.rank, c.evidence, run)
         if response.action is Action.END:
             child = run.workers[c.rank]
             if refused_its_input(c):
@@ -433,6 +437,27 @@ class Agent:
         failed_at = detection.injected_at or c.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
         return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases), run)
+
+    def _registered(self, rank: int) -> bool:
+        """Whether `rank`'s process registered with the job. Read after it exited: its
+        registration is a write the store answered before the process went on, so a process
+        not registered now never met a peer."""
+        return self.ctx.get(keys.registration(self.job_id, 0, rank), Registration) is not None
+
+    def _relaunch(self, rank: int, exited: ProcessExited, run: Run) -> None:
+        """`rank`'s process died before it registered (its imports, its first connection to
+        the store): no peer has met it, so a new process takes its seat in generation 0 and
+        the job starts as if nothing happened. Once per rank (decide.py)."""
+        old = run.workers[rank]
+        log.warning("worker rank %d (pid %d) %s before it registered with the job; nothing "
+                    "of it is in the job yet, so its seat starts again", rank, old.proc.pid,
+                    describe_exit(exited.returncode))  # fmt: skip
+        run.relaunched.add(rank)
+        env = job_env(self.job_id, self.port, self.fault_scope)
+        child = self.children.spawn(ROLE_WORKER, rank, old.local_rank, env, self.extra_args)
+        run.workers[rank] = child
+        self.events.emit(RANK_RELAUNCHED, rank=rank, old_pid=old.proc.pid, pid=child.proc.pid,
+                         returncode=exited.returncode)  # fmt: skip
 
     def _node_lost(self, beat: AgentBeat, run: Run) -> int | None:
         """Another node's lease lapsed: its agent and processes are gone (or cut off, and

@@ -66,6 +66,7 @@ class Run:
     up: bool = False  # generation 0's membership is recorded
     replaced_in: dict[int, int] = field(default_factory=dict)  # rank -> generation it moved in
     lost_nodes: list[AgentBeat] = field(default_factory=list)  # seen during a recovery, to act on
+    relaunched: set[int] = field(default_factory=set)  # ranks started again before registering
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,19 @@ ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = (
     "forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "finish",
-    "setup",
+    "setup", "launch",
 )  # fmt: skip
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"
+BEFORE_TRAINING = ("setup", "launch")  # the phases of ITER 0
 # `finish`: after the rank's training loop, final save and agreed replication stop, just before
 # it exits: only a kill, at the last iteration (a death after the job's last collective).
 # `setup`: during the process's set-up (groups up and the model built; in our pretrain_gpt.py
 # before --load's checkpoint is read, in Megatron-LM's after), which comes before any
 # iteration: ITER is 0, and only there.
+# `launch`: in the process's first moments, connected to the job's store but not registered
+# with it yet (as a death in its imports): only a kill, at ITER 0.
 
 GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
@@ -40,6 +43,7 @@ GRAMMAR = (
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), corrupt@RANK:ITER (phase replicate), "
     "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST; "
     "ACTION@RANK:0:setup strikes during the set-up, before iteration 1; "
+    "kill@RANK:0:launch kills a rank before it registers with the job; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )
 
@@ -85,11 +89,15 @@ def parse_fault(
     target, iteration = int(m["target"]), int(m["iteration"])
     if action not in ACTIONS + SPARE_ACTIONS:
         raise _bad(spec, f"unknown action {action!r}")
-    if iteration < 1 and not (iteration == 0 and phase == "setup"):
+    if iteration < 1 and not (iteration == 0 and phase in BEFORE_TRAINING):
         raise _bad(spec, f"iteration {iteration} must be >= 1 (iterations count from 1; 0 "
-                   "only with phase setup)")  # fmt: skip
-    if phase == "setup" and iteration != 0:
-        raise _bad(spec, f"phase setup comes before any iteration: write {action}@{target}:0:setup")
+                   "only with phase setup or launch)")  # fmt: skip
+    if phase in BEFORE_TRAINING and iteration != 0:
+        raise _bad(spec, f"phase {phase} comes before any iteration: write "
+                   f"{action}@{target}:0:{phase}")  # fmt: skip
+    if phase == "launch" and action != "kill":
+        raise _bad(spec, f"{action} cannot act before the process registers: only kill takes "
+                   "phase launch")  # fmt: skip
     if action in SPARE_ACTIONS:
         if phase is not None:
             raise _bad(spec, "kill-spare takes no phase (a spare runs no training phases)")

@@ -203,6 +203,24 @@ def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     assert "every rank sets up again from the start" in result.output
 
 
+def test_a_rank_dead_before_it_registered_starts_again_in_its_seat_and_later_hot_swaps(
+    tmp_path, baseline_pp2
+):
+    # Rank 1 dies in its first moments (connected to the store, not registered): no peer has
+    # met it, so its node's agent starts its seat again, and generation 0 forms with the new
+    # process. That process is a full member: its death in iteration 6 is hot-swapped. Before,
+    # the first death ended the job.
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:0:launch,kill@1:6", spares=1)
+    _assert_same_run(result, baseline_pp2)
+    (again,) = _named(events, "rank_relaunched")
+    assert again["rank"] == 1 and again["returncode"] == -9 and again["pid"] != again["old_pid"]
+    detected = _named(events, "failure_detected")
+    assert [(d["rank"], d["kind"]) for d in detected] == [(1, "permanent"), (1, "permanent")]
+    (done,) = _assert_recovered(events)
+    assert done["replaced"] == {"1": "spare-0"} and done["generation"] == 1, done
+    assert "before it registered with the job" in result.output
+
+
 def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
     # --deadpool-transport tcp (the default): rank 3 dies while its replication thread sends,
     # rank 0 fails transiently later; the new generation's ring is connected anew each time.

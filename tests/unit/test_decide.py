@@ -44,3 +44,31 @@ TRANSIENT = Classification(1, Decision.TRANSIENT, "raised", InjectedTransient(1,
 )
 def test_response_to_each_classification(c, policy, protected, up, expected):
     assert respond(c, policy, protected, up) == expected
+
+
+RELAUNCH = Response(Action.RELAUNCH, False, False)
+END = Response(Action.END, False, False)
+
+
+@pytest.mark.parametrize(
+    "c, policy, protected, registered, relaunched, expected",
+    [
+        # died before it registered, first time: its seat starts again
+        (EXITED, "hotswap", True, False, False, RELAUNCH),
+        # twice: not bad luck; registered: peers may have met it; unprotected: no registration
+        (EXITED, "hotswap", True, False, True, END),
+        (EXITED, "hotswap", True, True, False, END),
+        (EXITED, "hotswap", False, False, False, END),
+        # a live process could still register while fenced; a refused input ends the job
+        (HUNG, "hotswap", True, False, False, Response(Action.END, True, False)),
+        (REFUSED, "hotswap", True, False, False, END),
+        # checkpoint-restart restarts every process, as for any failure
+        (EXITED, "full", True, False, False, Response(Action.RESTART, False, False)),
+    ],
+)
+def test_response_before_the_job_is_up(c, policy, protected, registered, relaunched, expected):
+    assert respond(c, policy, protected, False, registered, relaunched) == expected
+
+
+def test_once_up_the_registration_no_longer_matters():
+    assert respond(EXITED, "hotswap", True, True, False, False).action is Action.HOTSWAP
