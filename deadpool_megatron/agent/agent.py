@@ -17,18 +17,15 @@ import os
 import signal
 import socket
 import time
-from dataclasses import astuple
 
 from ..agreement import LAUNCH_SHAPE
 from ..control import keys
 from ..control.chaos import Chaos
 from ..control.context import JobContext
-from ..control.membership import MembershipError, MembershipStore
+from ..control.membership import MembershipStore
 from ..control.messages import (
     AgentBeat,
     Flag,
-    Member,
-    Membership,
     NodeLaunch,
     PlanDecision,
     RankLost,
@@ -63,7 +60,14 @@ from ..topology import Topology
 from .children import Child, Children, Launch, job_env
 from .decide import Action, refused_its_input, respond
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
-from .launches import agree_job_id, claim_launch, compare_launches, forget_job, open_store
+from .launches import (
+    agree_job_id,
+    claim_launch,
+    compare_launches,
+    forget_job,
+    open_store,
+    record_first_generation,
+)
 from .nodes import Hosted, Lease, NodeWatch
 from .pool import SparePool
 from .replenish import Replenisher, SpareStart
@@ -497,36 +501,21 @@ class Agent:
 
     def _membership_up(self, spares: list[Child], record: bool) -> bool:
         """Whether generation 0's membership is recorded. With `record`, record it once every
-        rank has registered (with every spare that is alive to register): node 0 polls for
-        that, and any agent deciding on a failure does it first (a spare registering later
-        joins as a replenished one does); the first writer wins."""
-        members = MembershipStore(self.kv, self.job_id)
-        if members.current() is not None:
+        rank has registered: node 0 polls for that, and any agent deciding on a failure does
+        it first; the first writer wins (launches.record_first_generation)."""
+        if MembershipStore(self.kv, self.job_id).current() is not None:
             return True
         if not record:
             return False
-        holders = [
-            self.ctx.get(keys.registration(self.job_id, 0, r), Registration)
-            for r in range(self.world_size)
-        ]
-        if any(h is None for h in holders):
-            return False
-        topo = self.topology()
-        ranks = tuple(
-            Member(r, h.process_id, astuple(topo.coords(r))) for r, h in enumerate(holders)
-        )
         local = {spare_id(c.index): c for c in spares}
-        ids = tuple(
-            sid
-            for sid in self.expected_spares()
-            if (local[sid].alive() if sid in local else self.kv.get(keys.spare(self.job_id, sid)))
-        )
-        try:
-            members.create(Membership(0, ranks, ids))
-        except MembershipError:
-            return True  # another agent recorded it first
-        log.info("generation 0: %d ranks and %d spare(s) recorded", len(ranks), len(ids))
-        return True
+
+        def alive(sid: str) -> bool:  # this node's by its process, another's by its record
+            if sid in local:
+                return local[sid].alive()
+            return self.kv.get(keys.spare(self.job_id, sid)) is not None
+
+        return record_first_generation(self.ctx, self.topology(), list(self.expected_spares()),
+                                       alive)  # fmt: skip
 
     def _log_detection(self, detection: Detection, iteration: int) -> None:
         c = detection.classification

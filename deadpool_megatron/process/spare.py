@@ -16,9 +16,11 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from ..control import keys
 from ..control.client import ControlClient, connect
+from ..control.context import JobContext
 from ..control.membership import MembershipStore
 from ..control.messages import SpareAssignment, spare_id
 from ..errors import DeadpoolError
@@ -77,27 +79,10 @@ def run_spare(
     reserve = SpareReserve(client.footprint, env.world_size)
     prebuilds = spare_prebuilds(cfg, env, client) if become is None else None
 
-    membership = MembershipStore(ctx.kv, ctx.job)
-    claimed = False
-
-    def finished() -> None:
-        # Withdraw by the key a claim takes, so that a recovery either has this spare or never
-        # will. Claimed already: take the rank over once the assignment comes (a recovery in
-        # flight must end for the workers to stop and save); that worker stops with the rest.
-        nonlocal claimed
-        if stop() and not claimed:
-            claimed = not membership.withdraw_spare(me)
-            if not claimed:
-                raise JobFinished("stopped by SIGTERM")
-        if client.job_finished():
-            raise JobFinished("job finished")
-        reserve.poll()
-        if prebuilds is not None:
-            prebuilds.poll()
-
+    chores = [reserve.poll] + ([prebuilds.poll] if prebuilds is not None else [])
+    idle = IdleWatch(me, stop, MembershipStore(ctx.kv, ctx.job), client.job_finished, chores)
     try:
-        order = ctx.wait_for(keys.assignment(ctx.job, me), SpareAssignment, interrupt=finished,
-                             interval_s=poll_s)  # fmt: skip
+        order = wait_for_assignment(ctx, me, idle, poll_s)
     except JobFinished as why:
         client.close()
         log.info("spare %d: %s, exiting", env.spare_index, why)
@@ -119,6 +104,46 @@ def run_spare(
     if become is not None:
         return become(worker_env, takeover, exit_signal)
     return run_worker(cfg, worker_env, takeover, exit_signal)
+
+
+class IdleWatch:
+    """What an idle spare looks at between its looks for an assignment: SIGTERM, the job's
+    end, and the work it does while idle (`chores`). Raises JobFinished to stop waiting."""
+
+    def __init__(
+        self, me: str, stop: Callable[[], bool], membership: MembershipStore,
+        job_finished: Callable[[], bool], chores: list[Callable[[], None]],
+    ):  # fmt: skip
+        self.me = me
+        self._stop = stop
+        self._membership = membership
+        self._job_finished = job_finished
+        self._chores = chores
+        self.claimed = False  # a recovery holds this spare: it must take its rank over
+
+    def __call__(self) -> None:
+        # SIGTERM: withdraw by the key a claim takes, so that a recovery either has this spare
+        # or never will. Claimed already: take the rank over once the assignment comes (a
+        # recovery in flight must end for the workers to stop and save); that worker stops
+        # with the rest.
+        if self._stop() and not self.claimed:
+            self.claimed = not self._membership.withdraw_spare(self.me)
+            if not self.claimed:
+                raise JobFinished("stopped by SIGTERM")
+        if self._job_finished():
+            raise JobFinished("job finished")
+        for chore in self._chores:
+            chore()
+
+
+def wait_for_assignment(
+    ctx: JobContext, me: str, idle: IdleWatch, poll_s: float,
+    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+) -> SpareAssignment:  # fmt: skip
+    """The rank a recovery gives spare `me`, once its assignment is written; JobFinished
+    when `idle` ends the wait first."""
+    return ctx.wait_for(keys.assignment(ctx.job, me), SpareAssignment, interrupt=idle,
+                        interval_s=poll_s, clock=clock, sleep=sleep)  # fmt: skip
 
 
 def spare_prebuilds(cfg, env: ProcessEnv, client: ControlClient) -> SparePrebuilds | None:
