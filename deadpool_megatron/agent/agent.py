@@ -58,7 +58,7 @@ from ..recovery.placement import spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
-from .decide import Action, refused_its_input, respond
+from .decide import Action, Response, refused_its_input, respond
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
 from .launches import (
     agree_job_id,
@@ -357,7 +357,8 @@ class Agent:
             run.chaos.step(run.monitor.iteration, running=running)
             if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
-                run.up = self._membership_up(run.pool.idle, record=self.node == 0)
+                # node 0 records it, and an agent holding a failure until it is recorded
+                run.up = self._membership_up(run.pool.idle, record=self.node == 0 or bool(run.held))
             if run.workers and all(c.proc.poll() == 0 for c in run.workers.values()):
                 return self.finish(run)
             time.sleep(POLL_S)
@@ -401,20 +402,25 @@ class Agent:
 
     def _act(self, detection: Detection, run: Run) -> int | None:
         c = detection.classification
-        if not run.up and self.settings.protection.deadpool:
+        held = run.held.pop(c.rank, None)  # (its first detection, fence time) while it waited
+        if not run.up and self.settings.protection.deadpool and held is None:
             # every rank may have registered since: any agent deciding on a failure records
             # generation 0 then, not only node 0 (whose poll may come a moment later)
             run.up = self._membership_up(run.pool.idle, record=True)
         registered = run.up or not isinstance(c.evidence, ProcessExited) or self._registered(c.rank)
         response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
                            run.up, registered, c.rank in run.relaunched)  # fmt: skip
-        fence_s = 0.0
+        if response.action is Action.WAIT:
+            return self._hold(detection, response, held, run)
+        fence_s = 0.0 if held is None else held[1]
         if response.fence:
             t = time.time()
             self.swap.fence(c.rank, describe(c.evidence))
             fence_s = time.time() - t
-        if not refused_its_input(c):  # not a failure: said below
+        if not refused_its_input(c) and held is None:  # not a failure: said below
             self._log_detection(detection, run.monitor.iteration)
+        if held is not None:
+            detection = held[0]  # the recovery counts from the failure, not from the wait's end
         if response.action is Action.RESTART:
             return self.restart(f"failure of rank {c.rank}")
         if response.action is Action.RELAUNCH:
@@ -438,9 +444,35 @@ class Agent:
         if not response.replace:
             run.monitor.record_transient(c.rank, c.evidence.at)
         permanent = {c.rank} if response.replace else set()
-        failed_at = detection.injected_at or c.evidence.at
+        failed_at = detection.injected_at or detection.classification.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
         return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases), run)
+
+    def _hold(
+        self, detection: Detection, response: Response, held: tuple[Detection, float] | None,
+        run: Run,
+    ) -> int | None:  # fmt: skip
+        """A rank that had registered failed before every rank did: its peers may have met it
+        (in their groups' rendezvous), and generation 0, without which there is no recovery,
+        is recorded only once they all have. The failure waits for them (this agent records
+        generation 0 then: see _watch), then is hot-swapped; a hung process is fenced first.
+        The wait lasts as long as a slow phase may."""
+        c = detection.classification
+        limit = self.settings.protection.deadpool_slow_phase_timeout
+        if held is None:
+            t = time.time()
+            if response.fence:
+                self.swap.fence(c.rank, describe(c.evidence))
+            held = (detection, time.time() - t)
+            self._log_detection(detection, run.monitor.iteration)
+            log.warning("rank %d failed before every rank registered with the job: its "
+                        "recovery waits for them (up to %.0f s)", c.rank, limit)  # fmt: skip
+        elif detection.detected_at - held[0].detected_at > limit:
+            log.error("not every rank registered within %.0f s of the failure of rank %d; "
+                      "ending the job", limit, c.rank)  # fmt: skip
+            return self._end(f"failure of rank {c.rank} before every rank registered")
+        run.held[c.rank] = held
+        return None
 
     def _registered(self, rank: int) -> bool:
         """Whether `rank`'s process registered with the job. Read after it exited: its

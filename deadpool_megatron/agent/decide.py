@@ -11,12 +11,15 @@ from ..failure.evidence import ProcessExited
 
 
 class Action(enum.Enum):
-    END = "end"  # log it and end the job (no protection, not up yet, or a refused input)
+    END = "end"  # log it and end the job (no protection, or a refused input)
     RESTART = "restart"  # checkpoint-restart: stop everything, start again from --save
     HOTSWAP = "hotswap"  # recover in place: a spare takes the rank, or it resets itself
     # start the rank's process again in its own seat: it died before it registered, so no
     # peer has met it yet and generation 0 can still be formed with the new process
     RELAUNCH = "relaunch"
+    # hold the failure until every rank has registered (generation 0 is recorded), then
+    # hot-swap it: a registered rank's peers may have met it in their rendezvous
+    WAIT = "wait"
 
 
 @dataclass(frozen=True)
@@ -32,21 +35,24 @@ def respond(
 ) -> Response:  # fmt: skip
     """`restart_policy`: deadpool-launch's (hotswap or full); `protected`: the job runs with
     --deadpool; `up`: generation 0's membership is recorded (every rank registered);
-    `registered`: the failed rank's process had registered; `relaunched`: its seat was
-    started again once already (a second death before registering is not bad luck)."""
+    `registered`: the failed rank's process had registered (a live one may any moment, so
+    it counts as registered); `relaunched`: its seat was started again once already (a
+    second death before registering is not bad luck)."""
     alive = not isinstance(c.evidence, ProcessExited)
+    permanent = c.kind is Decision.PERMANENT
     if refused_its_input(c):  # a spare or a restart would be given the same input
         return Response(Action.END, fence=False, replace=False)
     if restart_policy == "full":
         return Response(Action.RESTART, fence=False, replace=False)  # every process stops
-    if protected and not up and not alive and not registered and not relaunched:
-        # It died in its imports or its first connection to the store: nothing of it is in
-        # the job yet. (A live, hung one is not: it could still register while fenced.)
-        return Response(Action.RELAUNCH, fence=False, replace=False)
-    if not protected or not up:
+    if not protected:
         # A hung process is fenced so that the log says so; the end stops everyone anyway.
-        return Response(Action.END, fence=alive and c.kind is Decision.PERMANENT, replace=False)
-    permanent = c.kind is Decision.PERMANENT
+        return Response(Action.END, fence=alive and permanent, replace=False)
+    if not up and registered:
+        return Response(Action.WAIT, fence=alive and permanent, replace=False)
+    if not up:
+        # It died in its imports or its first connection to the store: nothing of it is in
+        # the job yet, so its seat starts again; twice, and the job ends.
+        return Response(Action.END if relaunched else Action.RELAUNCH, False, False)
     return Response(Action.HOTSWAP, fence=permanent and alive, replace=permanent)
 
 

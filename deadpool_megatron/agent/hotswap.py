@@ -67,6 +67,8 @@ class Run:
     replaced_in: dict[int, int] = field(default_factory=dict)  # rank -> generation it moved in
     lost_nodes: list[AgentBeat] = field(default_factory=list)  # seen during a recovery, to act on
     relaunched: set[int] = field(default_factory=set)  # ranks started again before registering
+    # rank -> (its first detection, fence time): failures waiting for every rank to register
+    held: dict[int, tuple] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""A torch.distributed (c10d) store on etcd: every generation's process groups meet there
+"""Python torch.distributed (c10d) stores.
+
+`StoppableStore`: the store a generation's process groups meet on, whose waits give up once a
+newer recovery is ordered (below).
+
+`EtcdC10dStore`: a store on etcd: every generation's process groups meet there
 instead of in node 0's TCPStore, so with `--deadpool-store etcd` no agent holds state the job
 needs and losing any node, the first one included, leaves the job running.
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -23,6 +29,7 @@ from .store import StoreTimeout
 ROOT = keys.C10D_ROOT
 POLL_FIRST_S = 0.002  # rendezvous keys usually appear within milliseconds
 POLL_MAX_S = 0.05
+STOPPABLE_POLL_MAX_S = 0.01  # a group's rendezvous waits on this once per member it meets
 
 
 class EtcdC10dStore(dist.Store):
@@ -89,6 +96,70 @@ class EtcdC10dStore(dist.Store):
 
     def num_keys(self) -> int:
         raise NotImplementedError("num_keys is not kept on etcd")
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+
+
+class StoppableStore(dist.Store):
+    """A generation's rendezvous store whose waits look at `stop` (which raises to give up)
+    between polls of the wrapped store.
+
+    A rank that dies after registering and before its groups are up leaves every peer waiting
+    in gloo's (or NCCL's) rendezvous for its address: a store get in torch's C++, which no
+    recovery can cut (there are no connections yet), so the peers sat there until the group's
+    timeout, the recovery took them for blocked, and the job ended with every rank lost. Here
+    the wait polls the key (`check`, a round trip of about 30 us; a TCPStore wait with a short
+    timeout logs two warnings per timeout instead) and asks `stop` at each poll: the recovery
+    order makes the set-up raise, and the rank sets up again in the next generation.
+    """
+
+    def __init__(
+        self, inner: dist.Store, stop: Callable[[], None], timeout_s: float,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+    ):  # fmt: skip
+        super().__init__()
+        self._inner = inner
+        self._stop = stop
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._sleep = sleep
+
+    def _wait(self, keys: list[str], timeout_s: float) -> None:
+        deadline = self._clock() + timeout_s
+        pause = POLL_FIRST_S
+        while not self._inner.check(keys):
+            self._stop()
+            if self._clock() >= deadline:
+                raise StoreTimeout(f"c10d keys {keys} did not appear within {timeout_s:g} s")
+            self._sleep(pause)
+            pause = min(STOPPABLE_POLL_MAX_S, pause * 2)
+
+    # -- dist.Store ---------------------------------------------------------------------------
+    def set(self, key: str, value) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._wait([key], self._timeout_s)
+        return self._inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait(list(keys), self._timeout_s if timeout is None else timeout.total_seconds())
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout_s = timeout.total_seconds()

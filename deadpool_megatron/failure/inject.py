@@ -22,12 +22,12 @@ ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = (
     "forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "finish",
-    "setup", "launch",
+    "setup", "launch", "groups",
 )  # fmt: skip
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"
-BEFORE_TRAINING = ("setup", "launch")  # the phases of ITER 0
+BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in their order
 # `finish`: after the rank's training loop, final save and agreed replication stop, just before
 # it exits: only a kill, at the last iteration (a death after the job's last collective).
 # `setup`: during the process's set-up (groups up and the model built; in our pretrain_gpt.py
@@ -35,6 +35,8 @@ BEFORE_TRAINING = ("setup", "launch")  # the phases of ITER 0
 # iteration: ITER is 0, and only there.
 # `launch`: in the process's first moments, connected to the job's store but not registered
 # with it yet (as a death in its imports): only a kill, at ITER 0.
+# `groups`: registered, as its process groups are about to be created (its peers wait for it
+# in their rendezvous), at ITER 0; in Megatron-LM's pretrain_gpt.py just before pretrain().
 
 GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
@@ -44,6 +46,7 @@ GRAMMAR = (
     "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST; "
     "ACTION@RANK:0:setup strikes during the set-up, before iteration 1; "
     "kill@RANK:0:launch kills a rank before it registers with the job; "
+    "ACTION@RANK:0:groups strikes as its process groups are created; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )
 
@@ -91,7 +94,7 @@ def parse_fault(
         raise _bad(spec, f"unknown action {action!r}")
     if iteration < 1 and not (iteration == 0 and phase in BEFORE_TRAINING):
         raise _bad(spec, f"iteration {iteration} must be >= 1 (iterations count from 1; 0 "
-                   "only with phase setup or launch)")  # fmt: skip
+                   "only with phase launch, groups or setup)")  # fmt: skip
     if phase in BEFORE_TRAINING and iteration != 0:
         raise _bad(spec, f"phase {phase} comes before any iteration: write "
                    f"{action}@{target}:0:{phase}")  # fmt: skip

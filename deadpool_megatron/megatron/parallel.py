@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from ..config import JobConfig
+from ..control.c10d import StoppableStore
 from ..runtime import ENV_GROUP_PER_ROLE
 from ..topology import Topology
 from . import cpu_backend, groups
@@ -42,13 +44,19 @@ def connect_store(
 
 
 def init_distributed(
-    cfg: JobConfig, rank: int, world_size: int, store: dist.Store, prefix: str = "gen0"
-) -> bool:
-    """Create the default process group and megatron-core's groups. Returns True on a GPU."""
+    cfg: JobConfig, rank: int, world_size: int, store: dist.Store, prefix: str = "gen0",
+    stop: Callable[[], None] | None = None,
+) -> bool:  # fmt: skip
+    """Create the default process group and megatron-core's groups. Returns True on a GPU.
+    `stop`: raises once the generation these groups are for is superseded by a recovery
+    order; their rendezvous then gives up waiting for a peer (control/c10d.StoppableStore)."""
     on_gpu = not cpu_backend.should_activate(cfg.system.cpu)
     share_gloo_device()
     backend = "nccl" if on_gpu else "gloo"
-    _init(cfg, rank, world_size, dist.PrefixStore(prefix, store), backend, on_gpu)
+    meet: dist.Store = dist.PrefixStore(prefix, store)
+    if stop is not None:
+        meet = StoppableStore(meet, stop, 60.0 * cfg.system.distributed_timeout_minutes)
+    _init(cfg, rank, world_size, meet, backend, on_gpu)
     return on_gpu
 
 
@@ -214,7 +222,12 @@ def set_random_seed(seed: int) -> None:
 def destroy_distributed() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # resets torch's count of unnamed groups
+    else:
+        # The default group's creation raised (a recovery order in its rendezvous): torch
+        # had counted it, and the next one would be named "1" here and "0" in a spare, whose
+        # rendezvous keys then never meet. Nothing else of it exists.
+        dist.distributed_c10d._world.group_count = 0
 
 
 def coordinates() -> tuple[int, int, int]:

@@ -19,11 +19,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch.distributed as dist
 
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
+from ..control.c10d import StoppableStore
 from ..control.context import JobContext
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, cpu_backend, parallel, upstream
@@ -32,7 +34,7 @@ from ..megatron.digest import state_digest
 from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
-from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
+from ..recovery.stages import Rebuilt, RecoveryFailed, RecoveryOrdered, Superseded
 from ..runtime import ProcessEnv
 from .exit_signal import ExitSignal
 from .session import ProtectedLoop, serving
@@ -125,7 +127,13 @@ class UpstreamSession(ProtectedLoop):
                     old_groups = self.recovery.reset_communicators(plan)
                     self.pending = _Pending(plan, old_groups, time.perf_counter() - started)
                 generation = plan.generation if plan is not None else 0
-                store = dist.PrefixStore(self.ctx.store_prefix(generation), self.store)
+                if plan is None and self.takeover is None:
+                    self.inject(0, "groups")  # ACTION@R:0:groups: pretrain() creates them next
+                store = StoppableStore(
+                    dist.PrefixStore(self.ctx.store_prefix(generation), self.store),
+                    partial(self._stop_meeting, generation),
+                    60.0 * self.cfg.system.distributed_timeout_minutes,
+                )  # its groups' rendezvous stops waiting for a peer once a recovery is ordered
                 try:
                     pretrain(*args, **{**kwargs, "store": store})
                 except SystemExit as ended:
@@ -146,6 +154,17 @@ class UpstreamSession(ProtectedLoop):
                     return self._lost(lost)
         self._finish()
         return 0
+
+    def _stop_meeting(self, generation: int) -> None:
+        """Raise once a generation newer than `generation` is ordered: the set-up of
+        generation 0 stops as on any order; a recovery's is superseded."""
+        ordered = self.ctx.ordered
+        if ordered <= generation:
+            return
+        if generation == 0:
+            raise RecoveryOrdered(f"recovery into generation {ordered} ordered")
+        raise Superseded(f"generation {ordered} was ordered while meeting the groups of "
+                         f"{generation}")  # fmt: skip
 
     def _next_plan(self, err: Exception) -> RecoveryPlan:
         if self.takeover is not None:  # a spare holds nothing: the agent seats the next one

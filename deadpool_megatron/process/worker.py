@@ -147,7 +147,8 @@ def run_worker(
                                      partial(make_trainer, end_iteration=end))  # fmt: skip
     else:
         try:
-            trainer = _start(cfg, env, store, make_trainer, events, session.inject)
+            stop = guard.check_stop if guard is not None and dpc.deadpool else None
+            trainer = _start(cfg, env, store, make_trainer, events, session.inject, stop)
         except (ConfigError, CheckpointError):
             raise  # bad input: the same again would fail the same way
         except Exception as err:
@@ -238,11 +239,15 @@ def _start(
     make_trainer,
     events: EventLog,
     inject: Callable[[int, str], None],
+    stop: Callable[[], None] | None = None,
 ) -> Trainer:
     """Generation 0: process groups, model and optimizer, a checkpoint to resume from, and
-    the protection pipeline with --deadpool. `inject`: faults at phase setup (ACTION@R:0:setup)."""
+    the protection pipeline with --deadpool. `inject`: faults at phases groups and setup.
+    `stop`: raises once a recovery is ordered (the groups' rendezvous stops waiting then)."""
     prefix = keys.process_group_prefix(env.job_id, 0)
-    on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store, prefix=prefix)
+    inject(0, "groups")  # ACTION@R:0:groups: its peers wait for it in their rendezvous
+    on_gpu = parallel.init_distributed(cfg, env.rank, env.world_size, store, prefix=prefix,
+                                       stop=stop)  # fmt: skip
     tp, pp, dp = parallel.coordinates()
     log.info(
         "rank %d/%d up: tp=%d pp=%d dp=%d, backend %s",

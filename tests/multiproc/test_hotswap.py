@@ -177,7 +177,8 @@ def test_a_failure_in_the_first_iteration_rolls_back_to_the_state_training_start
 
 
 @pytest.mark.parametrize("spec, kind, load", [("kill@1:0:setup", "permanent", False),
-                                              ("raise@2:0:setup", "transient", True)])  # fmt: skip
+                                              ("raise@2:0:setup", "transient", True),
+                                              ("kill@1:0:groups", "permanent", False)])  # fmt: skip
 def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     tmp_path, baseline_pp2, first_five, spec, kind, load
 ):
@@ -185,6 +186,10 @@ def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     # sets up again in the next generation (a spare in a dead rank's place), the model seeded
     # as at the job's start, or --load's checkpoint (of iteration 5) read again. Before, the
     # job ended (with --save: restarted every process).
+    # At phase groups, the rank dies as soon as it registered: its peers are still starting
+    # (the failure waits for them to register) or wait for it in their groups' rendezvous
+    # (the recovery order ends that wait). Before, the job ended, or the peers sat in the
+    # rendezvous until the recovery took them for blocked and every rank was lost.
     extra = []
     if load:
         shutil.copytree(first_five[1], tmp_path / "ckpt")

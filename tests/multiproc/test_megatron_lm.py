@@ -123,12 +123,14 @@ def test_upstream_pretrain_gpt_hot_swaps_a_killed_rank_bitwise(megatron_lm, fail
     assert killed_final["state_digest"] == final["state_digest"]
 
 
-@pytest.mark.parametrize("spec", ["kill@1:0:setup", "raise@2:0:setup"])
+@pytest.mark.parametrize("spec", ["kill@1:0:setup", "raise@2:0:setup", "kill@1:0:groups"])
 def test_upstream_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     megatron_lm, failure_free, tmp_path, spec
 ):
     # Nothing trained and nothing to restore: every rank runs pretrain()'s set-up again in
-    # the next generation (a spare in the killed rank's place), as at the job's start.
+    # the next generation (a spare in the killed rank's place), as at the job's start. At
+    # phase groups, rank 1 dies before pretrain() creates its groups: its peers wait for it
+    # in their rendezvous until the recovery order ends that wait.
     losses, final = failure_free
     got, got_final, output = _run(megatron_lm, tmp_path, "setup", ["--deadpool-inject", spec])
     assert "every rank sets up again from the start" in output

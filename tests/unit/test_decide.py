@@ -24,10 +24,11 @@ TRANSIENT = Classification(1, Decision.TRANSIENT, "raised", InjectedTransient(1,
         # checkpoint-restart stops every process, whatever failed
         (EXITED, "full", True, True, Response(Action.RESTART, False, False)),
         (HUNG, "full", False, False, Response(Action.RESTART, False, False)),
-        # no protection, or not up yet: the job ends; a live hung process is fenced first
+        # no protection: the job ends; a live hung process is fenced first; not up yet: the
+        # failure waits for every rank to register (a hung process fenced first)
         (EXITED, "hotswap", False, True, Response(Action.END, False, False)),
         (HUNG, "hotswap", False, True, Response(Action.END, True, False)),
-        (HUNG, "hotswap", True, False, Response(Action.END, True, False)),
+        (HUNG, "hotswap", True, False, Response(Action.WAIT, True, False)),
         (TRANSIENT, "hotswap", False, True, Response(Action.END, False, False)),
         # protected: hot-swap; an exited rank is replaced, a live permanent one fenced first
         (EXITED, "hotswap", True, True, Response(Action.HOTSWAP, False, True)),
@@ -48,6 +49,7 @@ def test_response_to_each_classification(c, policy, protected, up, expected):
 
 RELAUNCH = Response(Action.RELAUNCH, False, False)
 END = Response(Action.END, False, False)
+WAIT = Response(Action.WAIT, False, False)
 
 
 @pytest.mark.parametrize(
@@ -55,12 +57,16 @@ END = Response(Action.END, False, False)
     [
         # died before it registered, first time: its seat starts again
         (EXITED, "hotswap", True, False, False, RELAUNCH),
-        # twice: not bad luck; registered: peers may have met it; unprotected: no registration
+        # twice: not bad luck; unprotected: nothing registers
         (EXITED, "hotswap", True, False, True, END),
-        (EXITED, "hotswap", True, True, False, END),
         (EXITED, "hotswap", False, False, False, END),
-        # a live process could still register while fenced; a refused input ends the job
-        (HUNG, "hotswap", True, False, False, Response(Action.END, True, False)),
+        # registered: its peers may have met it; the failure waits for generation 0
+        (EXITED, "hotswap", True, True, False, WAIT),
+        (EXITED, "hotswap", True, True, True, WAIT),
+        (TRANSIENT, "hotswap", True, True, False, WAIT),
+        # a live hung process is fenced first (its exit is looked at next)
+        (HUNG, "hotswap", True, True, False, Response(Action.WAIT, True, False)),
+        # a refused input ends the job
         (REFUSED, "hotswap", True, False, False, END),
         # checkpoint-restart restarts every process, as for any failure
         (EXITED, "full", True, False, False, Response(Action.RESTART, False, False)),

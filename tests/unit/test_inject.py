@@ -36,7 +36,7 @@ def test_valid_specs_parse_in_order_with_the_default_phase():
 def test_every_phase_round_trips(phase):
     # only a kill acts after training, or before the process registers
     action = "kill" if phase in ("finish", "launch") else "hang"
-    iteration = 0 if phase in ("setup", "launch") else 9  # both come before any iteration
+    iteration = 0 if phase in ("setup", "launch", "groups") else 9  # before any iteration
     (fault,) = parse_faults(f"{action}@2:{iteration}:{phase}")
     assert fault.phase == phase and parse_faults(str(fault)) == (fault,)
 
@@ -57,9 +57,10 @@ def test_empty_means_no_faults(text):
         ("kill@x:5", "kill@x:5", "not of the form"),
         ("kill@1:5:forward:extra", "kill@1:5:forward:extra", "not of the form"),
         ("kill@1:0", "kill@1:0", "must be >= 1"),
-        ("kill@1:0:forward", "kill@1:0:forward", "0 only with phase setup or launch"),
+        ("kill@1:0:forward", "kill@1:0:forward", "0 only with phase launch, groups or setup"),
         ("raise@1:3:setup", "raise@1:3:setup", r"write raise@1:0:setup"),
         ("kill@1:2:launch", "kill@1:2:launch", r"write kill@1:0:launch"),
+        ("raise@1:1:groups", "raise@1:1:groups", r"write raise@1:0:groups"),
         ("raise@1:0:launch", "raise@1:0:launch", "only kill takes phase launch"),
         ("hang@1:0:launch", "hang@1:0:launch", "only kill takes phase launch"),
         ("kill-spare@0:5:forward", "kill-spare@0:5:forward", "takes no phase"),
