@@ -1,7 +1,7 @@
 """Python torch.distributed (c10d) stores.
 
-`StoppableStore`: the store a generation's process groups meet on, whose waits give up once a
-newer recovery is ordered (below).
+`StoppableStore`: the store generation 0's process groups meet on, whose waits give up once
+a recovery is ordered (below).
 
 `EtcdC10dStore`: a store on etcd: every generation's process groups meet there
 instead of in node 0's TCPStore, so with `--deadpool-store etcd` no agent holds state the job
@@ -29,7 +29,8 @@ from .store import StoreTimeout
 ROOT = keys.C10D_ROOT
 POLL_FIRST_S = 0.002  # rendezvous keys usually appear within milliseconds
 POLL_MAX_S = 0.05
-STOPPABLE_POLL_MAX_S = 0.01  # a group's rendezvous waits on this once per member it meets
+STOPPABLE_POLL_FIRST_S = 0.001
+STOPPABLE_POLL_MAX_S = 0.005  # a group's rendezvous waits on this once per member it meets
 
 
 class EtcdC10dStore(dist.Store):
@@ -111,7 +112,9 @@ class StoppableStore(dist.Store):
     timeout, the recovery took them for blocked, and the job ended with every rank lost. Here
     the wait polls the key (`check`, a round trip of about 30 us; a TCPStore wait with a short
     timeout logs two warnings per timeout instead) and asks `stop` at each poll: the recovery
-    order makes the set-up raise, and the rank sets up again in the next generation.
+    order makes the set-up raise, and the rank sets up again in the next generation. A
+    recovery's groups meet only after its own rendezvous (recovery/stages.py), which a newer
+    order interrupts, so they keep torch's blocking get (no polling in a recovery's time).
     """
 
     def __init__(
@@ -127,7 +130,7 @@ class StoppableStore(dist.Store):
 
     def _wait(self, keys: list[str], timeout_s: float) -> None:
         deadline = self._clock() + timeout_s
-        pause = POLL_FIRST_S
+        pause = STOPPABLE_POLL_FIRST_S
         while not self._inner.check(keys):
             self._stop()
             if self._clock() >= deadline:

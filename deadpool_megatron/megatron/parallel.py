@@ -48,8 +48,9 @@ def init_distributed(
     stop: Callable[[], None] | None = None,
 ) -> bool:  # fmt: skip
     """Create the default process group and megatron-core's groups. Returns True on a GPU.
-    `stop`: raises once the generation these groups are for is superseded by a recovery
-    order; their rendezvous then gives up waiting for a peer (control/c10d.StoppableStore)."""
+    `stop`: raises once a recovery is ordered; the groups' rendezvous then gives up waiting
+    for a peer (control/c10d.StoppableStore; for generation 0's, which no rendezvous of the
+    recovery's own precedes)."""
     on_gpu = not cpu_backend.should_activate(cfg.system.cpu)
     share_gloo_device()
     backend = "nccl" if on_gpu else "gloo"

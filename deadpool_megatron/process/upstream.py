@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch.distributed as dist
 
@@ -34,7 +33,7 @@ from ..megatron.digest import state_digest
 from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
-from ..recovery.stages import Rebuilt, RecoveryFailed, RecoveryOrdered, Superseded
+from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
 from ..runtime import ProcessEnv
 from .exit_signal import ExitSignal
 from .session import ProtectedLoop, serving
@@ -129,11 +128,10 @@ class UpstreamSession(ProtectedLoop):
                 generation = plan.generation if plan is not None else 0
                 if plan is None and self.takeover is None:
                     self.inject(0, "groups")  # ACTION@R:0:groups: pretrain() creates them next
-                store = StoppableStore(
-                    dist.PrefixStore(self.ctx.store_prefix(generation), self.store),
-                    partial(self._stop_meeting, generation),
-                    60.0 * self.cfg.system.distributed_timeout_minutes,
-                )  # its groups' rendezvous stops waiting for a peer once a recovery is ordered
+                store = dist.PrefixStore(self.ctx.store_prefix(generation), self.store)
+                if plan is None:  # a recovery's groups meet after its own rendezvous instead
+                    store = StoppableStore(store, self._stop_meeting,
+                                           60.0 * self.cfg.system.distributed_timeout_minutes)  # fmt: skip
                 try:
                     pretrain(*args, **{**kwargs, "store": store})
                 except SystemExit as ended:
@@ -155,16 +153,10 @@ class UpstreamSession(ProtectedLoop):
         self._finish()
         return 0
 
-    def _stop_meeting(self, generation: int) -> None:
-        """Raise once a generation newer than `generation` is ordered: the set-up of
-        generation 0 stops as on any order; a recovery's is superseded."""
-        ordered = self.ctx.ordered
-        if ordered <= generation:
-            return
-        if generation == 0:
-            raise RecoveryOrdered(f"recovery into generation {ordered} ordered")
-        raise Superseded(f"generation {ordered} was ordered while meeting the groups of "
-                         f"{generation}")  # fmt: skip
+    def _stop_meeting(self) -> None:
+        """Raise once a recovery is ordered while generation 0's groups meet: a peer died
+        there, and the set-up stops as on any order."""
+        self.guard.check_stop()
 
     def _next_plan(self, err: Exception) -> RecoveryPlan:
         if self.takeover is not None:  # a spare holds nothing: the agent seats the next one

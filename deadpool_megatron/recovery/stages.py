@@ -387,7 +387,6 @@ class ProcessRecovery:
         on_gpu = parallel.init_distributed(
             self.cfg, self.env.rank, self.env.world_size, self.store,
             prefix=self.ctx.store_prefix(plan.generation),
-            stop=lambda: self._superseded(plan.generation, "meeting the groups"),
         )  # fmt: skip
         host = parallel.host_group()  # with the other groups: before any fault can strike
         phases: dict[str, float] = {}
