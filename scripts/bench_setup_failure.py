@@ -2,10 +2,12 @@
 """Time lost to a failure during the set-up: hot-swap versus checkpoint-restart, same job, same
 failure, one run.
 
-A rank killed during its set-up (`kill@RANK:0:setup`: its groups up and its model built) is
-recovered by hot-swap as every failure before anything is trained is: every rank sets up
-again in the next generation, a spare in the dead rank's seat (README, "A failure before
-anything is trained"). The baseline, `deadpool-launch --restart-policy full`, stops every
+A rank killed during its set-up (`kill@RANK:0:setup`: its groups up and its model built; or
+`--phase groups`: as its groups are about to be created, its peers waiting for it in their
+rendezvous) is recovered by hot-swap as every failure before anything is trained is: every
+rank sets up again in the next generation, a spare in the dead rank's seat (README, "A
+failure before anything is trained"). With `--phase launch` the rank dies before it
+registers with the job, and its seat starts again instead (no recovery). The baseline, `deadpool-launch --restart-policy full`, stops every
 process and starts the job again. Each strategy runs the job without and with the failure,
 `--repeats` times, in turns. The figure compared is the time from the failure (the injection's
 event) to the first iteration done after it (its metrics record): a failure in the set-up
@@ -14,11 +16,13 @@ would not see it, and whole jobs' wall times swing by seconds between runs here 
 reported too: time lost = the median failure run minus the median failure-free run, per
 strategy). Writes JSON; the last line printed is one JSON object: {"hotswap_to_training_s",
 "ckpt_restart_to_training_s", "ratio" (of those two medians), "hotswap_recovery_s" (the
-recovery's own account: failure to first resumed iteration), "hotswap_lost_s",
+recovery's own account: failure to first resumed iteration; null with --phase launch),
+"hotswap_lost_s",
 "ckpt_restart_lost_s" (by wall times), "bitwise" (every run's final state digest equal)}.
 
     python scripts/bench_setup_failure.py                  # PP2 x DP2, hidden 512, 3 repeats
     python scripts/bench_setup_failure.py --hidden-size 128 --repeats 1   # a quick look
+    python scripts/bench_setup_failure.py --phase groups
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from deadpool_megatron.events import read_events  # noqa: E402
 from deadpool_megatron.metrics import read_metrics  # noqa: E402
 
 STRATEGIES = ("hotswap", "ckpt_restart")
+PHASES = ("setup", "groups", "launch")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--iters", type=int, default=10, help="iterations per job (default 10)")
     p.add_argument("--victim", type=int, default=1, help="rank killed (default 1)")
+    p.add_argument("--phase", choices=PHASES, default="setup",
+                   help="where it is killed: kill@VICTIM:0:PHASE (default setup)")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of each job; figures are medians (default 3)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "bench_setup_failure.json"),
@@ -74,7 +81,7 @@ def _command(a: argparse.Namespace, strategy: str, fail: bool, work: Path) -> li
         "--deadpool-event-log", str(work / "events.jsonl"),
     ]  # fmt: skip
     if fail:
-        job += ["--deadpool-inject", f"kill@{a.victim}:0:setup"]
+        job += ["--deadpool-inject", f"kill@{a.victim}:0:{a.phase}"]
     launcher = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(a.nproc)]
     if strategy == "hotswap":
         return [*launcher, "--spares", "1", "pretrain_gpt.py", *job, "--deadpool"]
@@ -104,8 +111,9 @@ def run_job(a: argparse.Namespace, strategy: str, fail: bool, work: Path) -> dic
     if injected:
         to_training = min(t for t in done_at if t > injected[0]) - injected[0]
     recovered = [e["total_s"] for e in events if e["event"] == "recovery_done"]
+    relaunched = [e for e in events if e["event"] == "rank_relaunched"]
     restarted = [e for e in events if e["event"] == "job_restart"]
-    if fail and strategy == "hotswap" and not recovered:
+    if fail and strategy == "hotswap" and not (relaunched if a.phase == "launch" else recovered):
         raise SystemExit(f"the hot-swap run recovered nothing; see {work / 'job.log'}")
     if fail and strategy == "ckpt_restart" and not restarted:
         raise SystemExit(f"the checkpoint-restart run did not restart; see {work / 'job.log'}")
@@ -130,7 +138,7 @@ def main(argv=None) -> int:
                     flush=True)  # fmt: skip
     wall = {name: statistics.median(r["wall_s"] for r in rs) for name, rs in runs.items()}
     lost = {s: wall[f"{s}_failure"] - wall[f"{s}_free"] for s in STRATEGIES}
-    recovery = [r["recovery_s"] for r in runs["hotswap_failure"]]
+    recovery = [r["recovery_s"] for r in runs["hotswap_failure"] if r["recovery_s"] is not None]
     to_training = {s: statistics.median(r["to_training_s"] for r in runs[f"{s}_failure"])
                    for s in STRATEGIES}  # fmt: skip
     digests = {r["digest"] for rs in runs.values() for r in rs}
@@ -138,11 +146,12 @@ def main(argv=None) -> int:
         "hotswap_to_training_s": round(to_training["hotswap"], 3),
         "ckpt_restart_to_training_s": round(to_training["ckpt_restart"], 3),
         "ratio": round(to_training["ckpt_restart"] / to_training["hotswap"], 2),
-        "hotswap_recovery_s": round(statistics.median(recovery), 3),
+        "hotswap_recovery_s": round(statistics.median(recovery), 3) if recovery else None,
         "hotswap_lost_s": round(lost["hotswap"], 3),
         "ckpt_restart_lost_s": round(lost["ckpt_restart"], 3),
         "bitwise": len(digests) == 1,
         "wall_s": {name: round(w, 3) for name, w in wall.items()},
+        "phase": a.phase,
         "shape": {"nproc": a.nproc, "pp": a.pp, "hidden_size": a.hidden_size,
                   "num_layers": a.num_layers, "iters": a.iters, "repeats": a.repeats},
     }  # fmt: skip

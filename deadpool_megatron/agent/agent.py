@@ -465,8 +465,9 @@ class Agent:
                 self.swap.fence(c.rank, describe(c.evidence))
             held = (detection, time.time() - t)
             self._log_detection(detection, run.monitor.iteration)
-            log.warning("rank %d failed before every rank registered with the job: its "
-                        "recovery waits for them (up to %.0f s)", c.rank, limit)  # fmt: skip
+            if self._registered(c.rank):  # else, fenced unregistered: its seat starts again
+                log.warning("rank %d failed before every rank registered with the job: its "
+                            "recovery waits for them (up to %.0f s)", c.rank, limit)  # fmt: skip
         elif detection.detected_at - held[0].detected_at > limit:
             log.error("not every rank registered within %.0f s of the failure of rank %d; "
                       "ending the job", limit, c.rank)  # fmt: skip

@@ -34,7 +34,7 @@ BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in thei
 # before --load's checkpoint is read, in Megatron-LM's after), which comes before any
 # iteration: ITER is 0, and only there.
 # `launch`: in the process's first moments, connected to the job's store but not registered
-# with it yet (as a death in its imports): only a kill, at ITER 0.
+# with it yet (as a death in its imports): only a kill or a hang, at ITER 0.
 # `groups`: registered, as its process groups are about to be created (its peers wait for it
 # in their rendezvous), at ITER 0; in Megatron-LM's pretrain_gpt.py just before pretrain().
 
@@ -45,7 +45,7 @@ GRAMMAR = (
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), corrupt@RANK:ITER (phase replicate), "
     "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST; "
     "ACTION@RANK:0:setup strikes during the set-up, before iteration 1; "
-    "kill@RANK:0:launch kills a rank before it registers with the job; "
+    "kill@RANK:0:launch (or hang@) strikes a rank before it registers with the job; "
     "ACTION@RANK:0:groups strikes as its process groups are created; "
     "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )
@@ -98,9 +98,9 @@ def parse_fault(
     if phase in BEFORE_TRAINING and iteration != 0:
         raise _bad(spec, f"phase {phase} comes before any iteration: write "
                    f"{action}@{target}:0:{phase}")  # fmt: skip
-    if phase == "launch" and action != "kill":
-        raise _bad(spec, f"{action} cannot act before the process registers: only kill takes "
-                   "phase launch")  # fmt: skip
+    if phase == "launch" and action not in ("kill", "hang"):
+        raise _bad(spec, f"{action} cannot act before the process registers: only kill and "
+                   "hang take phase launch")  # fmt: skip
     if action in SPARE_ACTIONS:
         if phase is not None:
             raise _bad(spec, "kill-spare takes no phase (a spare runs no training phases)")

@@ -45,3 +45,11 @@ def test_both_strategies_run_the_same_job_and_fault():
 
     job = flags(free)[:-1]  # the failure-free job's flags, without --deadpool
     assert flags(hotswap)[: len(job)] == job == flags(restart)[: len(job)]
+
+
+@pytest.mark.parametrize("phase", ["groups", "launch"])
+def test_the_phase_names_where_the_victim_is_killed(phase):
+    a = bench.parse_args(["--phase", phase])
+    assert f"kill@1:0:{phase}" in bench._command(a, "hotswap", True, Path("/w"))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--phase", "forward"])
