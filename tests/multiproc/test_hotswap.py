@@ -177,8 +177,7 @@ def test_a_failure_in_the_first_iteration_rolls_back_to_the_state_training_start
 
 
 @pytest.mark.parametrize("spec, kind, load", [("kill@1:0:setup", "permanent", False),
-                                              ("raise@2:0:setup", "transient", True),
-                                              ("kill@1:0:groups", "permanent", False)])  # fmt: skip
+                                              ("raise@2:0:setup", "transient", True)])  # fmt: skip
 def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     tmp_path, baseline_pp2, first_five, spec, kind, load
 ):
@@ -186,10 +185,6 @@ def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     # sets up again in the next generation (a spare in a dead rank's place), the model seeded
     # as at the job's start, or --load's checkpoint (of iteration 5) read again. Before, the
     # job ended (with --save: restarted every process).
-    # At phase groups, the rank dies as soon as it registered: its peers are still starting
-    # (the failure waits for them to register) or wait for it in their groups' rendezvous
-    # (the recovery order ends that wait). Before, the job ended, or the peers sat in the
-    # rendezvous until the recovery took them for blocked and every rank was lost.
     extra = []
     if load:
         shutil.copytree(first_five[1], tmp_path / "ckpt")
@@ -208,22 +203,27 @@ def test_a_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     assert "every rank sets up again from the start" in result.output
 
 
-def test_a_rank_dead_before_it_registered_starts_again_in_its_seat_and_later_hot_swaps(
+def test_deaths_before_and_just_after_registering_start_a_seat_again_and_hot_swap_bitwise(
     tmp_path, baseline_pp2
 ):
     # Rank 1 dies in its first moments (connected to the store, not registered): no peer has
-    # met it, so its node's agent starts its seat again, and generation 0 forms with the new
-    # process. That process is a full member: its death in iteration 6 is hot-swapped. Before,
-    # the first death ended the job.
-    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:0:launch,kill@1:6", spares=1)
+    # met it, so its agent starts its seat again. Rank 2 dies as soon as it registered, as its
+    # groups are about to be created: its failure waits for every rank to register (the new
+    # rank 1 included), and its peers, in their groups' rendezvous waiting for its address,
+    # stop there at the recovery order; every rank sets up again from the start, a spare in
+    # rank 2's seat. Before, either death ended the job (or the peers sat in the rendezvous
+    # until the recovery took them for blocked and every rank was lost).
+    result, events = _run(tmp_path, 4, SHAPE_PP2, "kill@1:0:launch,kill@2:0:groups", spares=1)
     _assert_same_run(result, baseline_pp2)
     (again,) = _named(events, "rank_relaunched")
     assert again["rank"] == 1 and again["returncode"] == -9 and again["pid"] != again["old_pid"]
     detected = _named(events, "failure_detected")
-    assert [(d["rank"], d["kind"]) for d in detected] == [(1, "permanent"), (1, "permanent")]
+    assert sorted((d["rank"], d["kind"]) for d in detected) == [(1, "permanent"), (2, "permanent")]
     (done,) = _assert_recovered(events)
-    assert done["replaced"] == {"1": "spare-0"} and done["generation"] == 1, done
+    assert done["from_start"] and done["iteration"] == 0 and done["replayed_iterations"] == 0
+    assert done["replaced"] == {"2": "spare-0"}, done
     assert "before it registered with the job" in result.output
+    assert "every rank sets up again from the start" in result.output
 
 
 def test_replicas_over_tcp_connections_serve_a_hot_swap_and_a_reset_bitwise(tmp_path, baseline_pp2):
