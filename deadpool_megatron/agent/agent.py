@@ -59,7 +59,7 @@ from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
 from .decide import Action, Response, refused_its_input, respond
-from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
+from .hotswap import RECOVERY_TIMEOUT_S, Held, HotSwap, Run, Stop
 from .launches import (
     agree_job_id,
     claim_launch,
@@ -402,7 +402,9 @@ class Agent:
 
     def _act(self, detection: Detection, run: Run) -> int | None:
         c = detection.classification
-        held = run.held.pop(c.rank, None)  # (its first detection, fence time) while it waited
+        held = run.held.pop(c.rank, None)  # while it waited for every rank to register
+        if held is not None and held.pid != run.workers[c.rank].proc.pid:
+            held = None  # of a process no longer in the seat
         if not run.up and self.settings.protection.deadpool and held is None:
             # every rank may have registered since: any agent deciding on a failure records
             # generation 0 then, not only node 0 (whose poll may come a moment later)
@@ -412,7 +414,7 @@ class Agent:
                            run.up, registered, c.rank in run.relaunched)  # fmt: skip
         if response.action is Action.WAIT:
             return self._hold(detection, response, held, run)
-        fence_s = 0.0 if held is None else held[1]
+        fence_s = 0.0 if held is None else held.fence_s
         if response.fence:
             t = time.time()
             self.swap.fence(c.rank, describe(c.evidence))
@@ -420,7 +422,7 @@ class Agent:
         if not refused_its_input(c) and held is None:  # not a failure: said below
             self._log_detection(detection, run.monitor.iteration)
         if held is not None:
-            detection = held[0]  # the recovery counts from the failure, not from the wait's end
+            detection = held.detection  # the recovery counts from the failure, not the wait's end
         if response.action is Action.RESTART:
             return self.restart(f"failure of rank {c.rank}")
         if response.action is Action.RELAUNCH:
@@ -449,9 +451,8 @@ class Agent:
         return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases), run)
 
     def _hold(
-        self, detection: Detection, response: Response, held: tuple[Detection, float] | None,
-        run: Run,
-    ) -> int | None:  # fmt: skip
+        self, detection: Detection, response: Response, held: Held | None, run: Run
+    ) -> int | None:
         """A rank that had registered failed before every rank did: its peers may have met it
         (in their groups' rendezvous), and generation 0, without which there is no recovery,
         is recorded only once they all have. The failure waits for them (this agent records
@@ -463,12 +464,12 @@ class Agent:
             t = time.time()
             if response.fence:
                 self.swap.fence(c.rank, describe(c.evidence))
-            held = (detection, time.time() - t)
+            held = Held(detection, time.time() - t, run.workers[c.rank].proc.pid)
             self._log_detection(detection, run.monitor.iteration)
             if self._registered(c.rank):  # else, fenced unregistered: its seat starts again
                 log.warning("rank %d failed before every rank registered with the job: its "
                             "recovery waits for them (up to %.0f s)", c.rank, limit)  # fmt: skip
-        elif detection.detected_at - held[0].detected_at > limit:
+        elif detection.detected_at - held.detection.detected_at > limit:
             log.error("not every rank registered within %.0f s of the failure of rank %d; "
                       "ending the job", limit, c.rank)  # fmt: skip
             return self._end(f"failure of rank {c.rank} before every rank registered")

@@ -29,7 +29,7 @@ from ..control.messages import (
     SparePrebuilt,
     spare_id,
 )
-from ..control.monitor import Monitor
+from ..control.monitor import Detection, Monitor
 from ..control.store import StoreTimeout
 from ..control.wait import wait_until
 from ..events import FENCED, EventLog
@@ -52,6 +52,17 @@ SPARE_POLL_S = 0.2
 MAX_PLANS = 8  # plans tried when a planned spare cannot be claimed (each try leaves it out)
 
 
+@dataclass(frozen=True)
+class Held:
+    """A failure waiting for every rank to register (agent.py's _hold): its first detection
+    (the recovery counts from it), the time its fence took, and the process it was of (a
+    later process in the seat is a new case)."""
+
+    detection: Detection
+    fence_s: float
+    pid: int
+
+
 @dataclass
 class Run:
     """One start of the job on this node (a checkpoint-restart begins a new one): its local
@@ -67,8 +78,7 @@ class Run:
     replaced_in: dict[int, int] = field(default_factory=dict)  # rank -> generation it moved in
     lost_nodes: list[AgentBeat] = field(default_factory=list)  # seen during a recovery, to act on
     relaunched: set[int] = field(default_factory=set)  # ranks started again before registering
-    # rank -> (its first detection, fence time): failures waiting for every rank to register
-    held: dict[int, tuple] = field(default_factory=dict)
+    held: dict[int, Held] = field(default_factory=dict)  # failures waiting for generation 0
 
 
 @dataclass(frozen=True)

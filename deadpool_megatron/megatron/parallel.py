@@ -57,8 +57,15 @@ def init_distributed(
     meet: dist.Store = dist.PrefixStore(prefix, store)
     if stop is not None:
         meet = StoppableStore(meet, stop, 60.0 * cfg.system.distributed_timeout_minutes)
+        _python_stores[:] = [meet]
     _init(cfg, rank, world_size, meet, backend, on_gpu)
     return on_gpu
+
+
+# The Python store the default group was given, kept alive as long as that group (until
+# destroy_distributed): torch keeps only its C++ half, and a group created later (the replica
+# ring's edges) would call into a Python object already collected ("Not implemented").
+_python_stores: list[dist.Store] = []
 
 
 def init_stand_in(cfg: JobConfig, rank: int, world_size: int) -> bool:
@@ -229,6 +236,7 @@ def destroy_distributed() -> None:
         # had counted it, and the next one would be named "1" here and "0" in a spare, whose
         # rendezvous keys then never meet. Nothing else of it exists.
         dist.distributed_c10d._world.group_count = 0
+    _python_stores.clear()
 
 
 def coordinates() -> tuple[int, int, int]:
