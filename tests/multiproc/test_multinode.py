@@ -273,14 +273,18 @@ def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node
     assert replays == ["0"] * 12, replays  # 5 survivors and a spare, then 4 and two spares
 
 
+@pytest.mark.parametrize("phase", ["setup", "groups"])
 def test_a_rank_killed_in_its_set_up_on_another_node_is_set_up_again_with_a_spare_node(
-    tmp_path, baseline
+    tmp_path, baseline, phase
 ):
     # Rank 4 (node 2) dies during its set-up, before anything is trained and while the other
     # nodes' ranks are still in theirs: every rank of the three nodes sets up again in
-    # generation 1, a spare of the spare node in rank 4's place.
+    # generation 1, a spare of the spare node in rank 4's place. At phase groups it dies as
+    # soon as it registered: node 2's agent holds the failure until every rank of every node
+    # has registered, records generation 0 itself if node 0 has not yet, and coordinates;
+    # the peers stop waiting for rank 4 in their groups' rendezvous at the order.
     log = tmp_path / "events.jsonl"
-    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@4:0:setup"]
+    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", f"kill@4:0:{phase}"]
     nodes = start_nodes(tmp_path, 3, 1, NPROC, args)
     try:
         rcs = nodes.wait(400)
