@@ -22,7 +22,6 @@ from ..agreement import LAUNCH_SHAPE
 from ..control import keys
 from ..control.chaos import Chaos
 from ..control.context import JobContext
-from ..control.membership import MembershipStore
 from ..control.messages import (
     AgentBeat,
     Flag,
@@ -30,7 +29,6 @@ from ..control.messages import (
     PlanDecision,
     RankLost,
     RecoveryOrder,
-    Registration,
     RestartOrder,
     spare_id,
 )
@@ -45,7 +43,6 @@ from ..events import (
     JOB_ENDED,
     JOB_RESTART,
     NODE_LOST,
-    RANK_RELAUNCHED,
     SUSPECTED,
     EventLog,
 )
@@ -58,15 +55,15 @@ from ..recovery.placement import spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
-from .decide import Action, Response, refused_its_input, respond
-from .hotswap import RECOVERY_TIMEOUT_S, Held, HotSwap, Run, Stop
+from .decide import Action, refused_its_input, respond
+from .first_generation import FirstGeneration
+from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
 from .launches import (
     agree_job_id,
     claim_launch,
     compare_launches,
     forget_job,
     open_store,
-    record_first_generation,
 )
 from .nodes import Hosted, Lease, NodeWatch
 from .pool import SparePool
@@ -116,6 +113,7 @@ class Agent:
         self.ctx: JobContext | None = None  # the job's standing; a restart starts a new one
         self.lease: Lease | None = None
         self.swap: HotSwap | None = None  # this start's hot-swaps (watch() makes it)
+        self.first: FirstGeneration | None = None  # this start's generation 0 (watch() too)
         self._hosted = Hosted(0, (), ())  # what the lease says this node hosts (a snapshot)
         self._stop_signal: int | None = None
         self._signalled = False  # the workers were told to stop after an iteration
@@ -293,6 +291,10 @@ class Agent:
                           startup_timeout_s=p.deadpool_slow_phase_timeout)  # fmt: skip
         return Run(workers, pool, monitor, coordinator, chaos, nodes, up=not p.deadpool)
 
+    def _start_seat(self, rank: int, local_rank: int) -> Child:
+        env = job_env(self.job_id, self.port, self.fault_scope)
+        return self.children.spawn(ROLE_WORKER, rank, local_rank, env, self.extra_args)
+
     def _start_spare(self, start: SpareStart) -> Child:
         env = job_env(self.job_id, self.port, self.fault_scope)
         return self.children.spawn(ROLE_SPARE, start.index, start.local_rank, env,
@@ -313,6 +315,10 @@ class Agent:
         run = self._new_run()
         self.swap = HotSwap(self.ctx, self.node, run, self.events, self.settings.on_unrecoverable,
                             self.expected_spares())  # fmt: skip
+        self.first = FirstGeneration(
+            self.ctx, self.topology(), list(self.expected_spares()),
+            self.settings.protection.deadpool_slow_phase_timeout, self._start_seat, self.events,
+        )  # fmt: skip
         try:
             return self._watch(run)
         except StoreUnreachable as err:
@@ -358,7 +364,7 @@ class Agent:
             if not run.up and time.monotonic() >= next_membership_check:
                 next_membership_check = time.monotonic() + MEMBERSHIP_POLL_S
                 # node 0 records it, and an agent holding a failure until it is recorded
-                run.up = self._membership_up(run.pool.idle, record=self.node == 0 or bool(run.held))
+                run.up = self.first.up(run.pool.idle, record=self.node == 0 or bool(run.held))
             if run.workers and all(c.proc.poll() == 0 for c in run.workers.values()):
                 return self.finish(run)
             time.sleep(POLL_S)
@@ -408,12 +414,22 @@ class Agent:
         if not run.up and self.settings.protection.deadpool and held is None:
             # every rank may have registered since: any agent deciding on a failure records
             # generation 0 then, not only node 0 (whose poll may come a moment later)
-            run.up = self._membership_up(run.pool.idle, record=True)
-        registered = run.up or not isinstance(c.evidence, ProcessExited) or self._registered(c.rank)
+            run.up = self.first.up(run.pool.idle, record=True)
+        registered = run.up or not isinstance(c.evidence, ProcessExited)
+        registered = registered or self.first.registered(c.rank)
         response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
                            run.up, registered, c.rank in run.relaunched)  # fmt: skip
         if response.action is Action.WAIT:
-            return self._hold(detection, response, held, run)
+            if held is None:
+                self._log_detection(detection, run.monitor.iteration)
+
+            def fence() -> None:
+                if response.fence:
+                    self.swap.fence(c.rank, describe(c.evidence))
+
+            if self.first.hold(detection, held, run, fence):
+                return None
+            return self._end(f"failure of rank {c.rank} before every rank registered")
         fence_s = 0.0 if held is None else held.fence_s
         if response.fence:
             t = time.time()
@@ -426,7 +442,7 @@ class Agent:
         if response.action is Action.RESTART:
             return self.restart(f"failure of rank {c.rank}")
         if response.action is Action.RELAUNCH:
-            return self._relaunch(c.rank, c.evidence, run)
+            return self.first.relaunch(c.rank, c.evidence, run)
         if response.action is Action.END:
             child = run.workers[c.rank]
             if refused_its_input(c):
@@ -449,53 +465,6 @@ class Agent:
         failed_at = detection.injected_at or detection.classification.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
         return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases), run)
-
-    def _hold(
-        self, detection: Detection, response: Response, held: Held | None, run: Run
-    ) -> int | None:
-        """A rank that had registered failed before every rank did: its peers may have met it
-        (in their groups' rendezvous), and generation 0, without which there is no recovery,
-        is recorded only once they all have. The failure waits for them (this agent records
-        generation 0 then: see _watch), then is hot-swapped; a hung process is fenced first.
-        The wait lasts as long as a slow phase may."""
-        c = detection.classification
-        limit = self.settings.protection.deadpool_slow_phase_timeout
-        if held is None:
-            t = time.time()
-            if response.fence:
-                self.swap.fence(c.rank, describe(c.evidence))
-            held = Held(detection, time.time() - t, run.workers[c.rank].proc.pid)
-            self._log_detection(detection, run.monitor.iteration)
-            if self._registered(c.rank):  # else, fenced unregistered: its seat starts again
-                log.warning("rank %d failed before every rank registered with the job: its "
-                            "recovery waits for them (up to %.0f s)", c.rank, limit)  # fmt: skip
-        elif detection.detected_at - held.detection.detected_at > limit:
-            log.error("not every rank registered within %.0f s of the failure of rank %d; "
-                      "ending the job", limit, c.rank)  # fmt: skip
-            return self._end(f"failure of rank {c.rank} before every rank registered")
-        run.held[c.rank] = held
-        return None
-
-    def _registered(self, rank: int) -> bool:
-        """Whether `rank`'s process registered with the job. Read after it exited: its
-        registration is a write the store answered before the process went on, so a process
-        not registered now never met a peer."""
-        return self.ctx.get(keys.registration(self.job_id, 0, rank), Registration) is not None
-
-    def _relaunch(self, rank: int, exited: ProcessExited, run: Run) -> None:
-        """`rank`'s process died before it registered (its imports, its first connection to
-        the store): no peer has met it, so a new process takes its seat in generation 0 and
-        the job starts as if nothing happened. Once per rank (decide.py)."""
-        old = run.workers[rank]
-        log.warning("worker rank %d (pid %d) %s before it registered with the job; nothing "
-                    "of it is in the job yet, so its seat starts again", rank, old.proc.pid,
-                    describe_exit(exited.returncode))  # fmt: skip
-        run.relaunched.add(rank)
-        env = job_env(self.job_id, self.port, self.fault_scope)
-        child = self.children.spawn(ROLE_WORKER, rank, old.local_rank, env, self.extra_args)
-        run.workers[rank] = child
-        self.events.emit(RANK_RELAUNCHED, rank=rank, old_pid=old.proc.pid, pid=child.proc.pid,
-                         returncode=exited.returncode)  # fmt: skip
 
     def _node_lost(self, beat: AgentBeat, run: Run) -> int | None:
         """Another node's lease lapsed: its agent and processes are gone (or cut off, and
@@ -532,24 +501,6 @@ class Agent:
         """A late heartbeat from a process that is still progressing: say so, never fence."""
         log.warning("rank %d suspected, not fenced: %s", rank, reason)
         self.events.emit(SUSPECTED, rank=rank, reason=reason)
-
-    def _membership_up(self, spares: list[Child], record: bool) -> bool:
-        """Whether generation 0's membership is recorded. With `record`, record it once every
-        rank has registered: node 0 polls for that, and any agent deciding on a failure does
-        it first; the first writer wins (launches.record_first_generation)."""
-        if MembershipStore(self.kv, self.job_id).current() is not None:
-            return True
-        if not record:
-            return False
-        local = {spare_id(c.index): c for c in spares}
-
-        def alive(sid: str) -> bool:  # this node's by its process, another's by its record
-            if sid in local:
-                return local[sid].alive()
-            return self.kv.get(keys.spare(self.job_id, sid)) is not None
-
-        return record_first_generation(self.ctx, self.topology(), list(self.expected_spares()),
-                                       alive)  # fmt: skip
 
     def _log_detection(self, detection: Detection, iteration: int) -> None:
         c = detection.classification

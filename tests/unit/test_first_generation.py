@@ -1,0 +1,105 @@
+"""An agent's view of generation 0 before it is recorded (agent/first_generation.py), on an
+in-process store: a failure of a registered rank is held (its process fenced first when
+alive) until the limit, a seat whose process died unregistered starts again, and generation
+0 is recorded only when asked to and every rank has registered."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deadpool_megatron.agent.first_generation import FirstGeneration
+from deadpool_megatron.agent.hotswap import Held
+from deadpool_megatron.control import keys
+from deadpool_megatron.control.context import JobContext
+from deadpool_megatron.control.membership import MembershipStore
+from deadpool_megatron.control.messages import Flag, Registration
+from deadpool_megatron.control.monitor import Detection
+from deadpool_megatron.events import EventLog, read_events
+from deadpool_megatron.failure.classify import Classification, Decision
+from deadpool_megatron.failure.evidence import ProcessExited
+from deadpool_megatron.topology import Topology
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = "first-gen"
+LIMIT_S = 600.0
+
+
+def _child(pid: int, local_rank: int = 1, alive: bool = True):
+    return SimpleNamespace(proc=SimpleNamespace(pid=pid), local_rank=local_rank, index=pid,
+                           alive=lambda: alive)  # fmt: skip
+
+
+def _run():
+    return SimpleNamespace(workers={0: _child(100, 0), 1: _child(101)}, held={},
+                           relaunched=set())  # fmt: skip
+
+
+def _detection(rank: int, at: float) -> Detection:
+    c = Classification(rank, Decision.PERMANENT, "exited", ProcessExited(rank, -9, at))
+    return Detection(c, (c.evidence,), at, None)
+
+
+def _first(kv, tmp_path, started: list | None = None) -> FirstGeneration:
+    def start_seat(rank: int, local_rank: int):
+        started.append((rank, local_rank))
+        return _child(200 + rank, local_rank)
+
+    events = EventLog(str(tmp_path / "events.jsonl"))
+    return FirstGeneration(JobContext(kv, JOB), Topology(2, 1, 1, 2), ["spare-2", "spare-3"],
+                           LIMIT_S, start_seat, events)  # fmt: skip
+
+
+def test_a_registered_ranks_failure_is_held_fenced_once_until_the_limit(kv, tmp_path, caplog):
+    first = _first(kv, tmp_path)
+    JobContext(kv, JOB).put(keys.registration(JOB, 0, 1), Registration("h", 101))
+    run, fenced = _run(), []
+    assert first.hold(_detection(1, 1000.0), None, run, lambda: fenced.append(1))
+    held = run.held[1]
+    assert isinstance(held, Held) and held.pid == 101 and held.detection.detected_at == 1000.0
+    assert fenced == [1] and "its recovery waits for them (up to 600 s)" in caplog.text
+    # later looks keep the first detection, and do not fence again
+    assert first.hold(
+        _detection(1, 1000.0 + LIMIT_S), run.held.pop(1), run, lambda: fenced.append(2)
+    )
+    assert run.held[1] == held and fenced == [1]
+    assert not first.hold(
+        _detection(1, 1000.1 + LIMIT_S), run.held.pop(1), run, lambda: fenced.append(2)
+    )
+
+
+def test_a_fenced_process_that_never_registered_is_held_without_the_wait_line(kv, tmp_path, caplog):
+    first = _first(kv, tmp_path)
+    run = _run()
+    assert first.hold(_detection(1, 5.0), None, run, lambda: None)
+    assert 1 in run.held and "waits for them" not in caplog.text
+
+
+def test_a_seat_whose_process_died_unregistered_starts_again(kv, tmp_path):
+    started: list = []
+    first = _first(kv, tmp_path, started)
+    run = _run()
+    assert not first.registered(1)
+    first.relaunch(1, ProcessExited(1, -9, 0.0), run)
+    assert started == [(1, 1)] and run.workers[1].proc.pid == 201 and run.relaunched == {1}
+    first.events.close()
+    (event,) = read_events(str(tmp_path / "events.jsonl"))
+    assert event["event"] == "rank_relaunched" and event["rank"] == 1
+    assert (event["old_pid"], event["pid"], event["returncode"]) == (101, 201, -9)
+
+
+def test_generation_0_is_recorded_when_asked_once_every_rank_registered(kv, tmp_path):
+    first = _first(kv, tmp_path)
+    ctx = JobContext(kv, JOB)
+    ctx.put(keys.registration(JOB, 0, 0), Registration("h", 100))
+    assert not first.up([], record=True)  # rank 1 has not registered
+    ctx.put(keys.registration(JOB, 0, 1), Registration("h", 101))
+    assert not first.up([], record=False)  # only node 0, or an agent with a failure, records
+    # this node's spare-2 has exited; spare-3 (another node's) registered in the store
+    kv.set(keys.spare(JOB, "spare-3"), Flag("spare-3").encode())
+    spare2 = SimpleNamespace(index=2, alive=lambda: False)
+    assert first.up([spare2], record=True)
+    assert MembershipStore(kv, JOB).current().spares == ("spare-3",)
+    assert first.up([], record=False)  # recorded: up for everyone
