@@ -13,18 +13,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 
 from ..control import keys
 from ..control.context import JobContext
-from ..control.membership import MembershipStore
-from ..control.messages import Registration, spare_id
+from ..control.membership import MembershipError, MembershipStore
+from ..control.messages import Member, Membership, Registration, spare_id
 from ..control.monitor import Detection
 from ..events import RANK_RELAUNCHED, EventLog
 from ..failure.evidence import ProcessExited, describe_exit
 from ..topology import Topology
 from .children import Child
 from .hotswap import Held, Run
-from .launches import record_first_generation
 
 log = logging.getLogger("deadpool.launch")
 
@@ -101,3 +101,26 @@ class FirstGeneration:
             return False
         run.held[rank] = held
         return True
+
+
+def record_first_generation(
+    ctx: JobContext, topo: Topology, spares: list[str], alive: Callable[[str], bool]
+) -> bool:
+    """Record generation 0's membership once every rank has registered: each rank by the
+    process that registered it, and those of `spares` that are `alive` (a spare registering
+    later joins as a replenished one does). Any agent may call it; the first writer wins.
+    True once it is recorded (by this call or another), False while a rank has not
+    registered."""
+    holders = [
+        ctx.get(keys.registration(ctx.job, 0, r), Registration) for r in range(topo.world_size)
+    ]
+    if any(h is None for h in holders):
+        return False
+    ranks = tuple(Member(r, h.process_id, astuple(topo.coords(r))) for r, h in enumerate(holders))
+    free = tuple(sid for sid in spares if alive(sid))
+    try:
+        MembershipStore(ctx.kv, ctx.job).create(Membership(0, ranks, free))
+    except MembershipError:
+        return True  # another agent recorded it first
+    log.info("generation 0: %d ranks and %d spare(s) recorded", len(ranks), len(free))
+    return True

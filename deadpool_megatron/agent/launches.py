@@ -8,35 +8,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import logging
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import astuple
 
 from ..agreement import refuse_unlike_launches
 from ..config import DeadpoolConfig
 from ..control import keys, messages
 from ..control.connect import control_store
 from ..control.context import JobContext
-from ..control.membership import MembershipError, MembershipStore
-from ..control.messages import (
-    JobIdentity,
-    JobLaunch,
-    Member,
-    Membership,
-    NodeLaunch,
-    Registration,
-)
+from ..control.messages import JobIdentity, JobLaunch, NodeLaunch
 from ..control.signed import ForgedRecord, job_secret, signed
 from ..control.store import KVStore, StoreTimeout
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
 from ..errors import ConfigError, LaunchError
-from ..topology import Topology
-
-log = logging.getLogger("deadpool.launch")
 
 # How long node 0's agent, which may host the store, waits after refusing for the other
 # agents to have read every launch (they would find the store gone, not the reason).
@@ -142,29 +129,6 @@ def compare_launches(
                            clock=clock, sleep=sleep)  # fmt: skip
         raise
     return len(launches)
-
-
-def record_first_generation(
-    ctx: JobContext, topo: Topology, spares: list[str], alive: Callable[[str], bool]
-) -> bool:
-    """Record generation 0's membership once every rank has registered: each rank by the
-    process that registered it, and those of `spares` that are `alive` (a spare registering
-    later joins as a replenished one does). Any agent may call it; the first writer wins.
-    True once it is recorded (by this call or another), False while a rank has not
-    registered."""
-    holders = [
-        ctx.get(keys.registration(ctx.job, 0, r), Registration) for r in range(topo.world_size)
-    ]
-    if any(h is None for h in holders):
-        return False
-    ranks = tuple(Member(r, h.process_id, astuple(topo.coords(r))) for r, h in enumerate(holders))
-    free = tuple(sid for sid in spares if alive(sid))
-    try:
-        MembershipStore(ctx.kv, ctx.job).create(Membership(0, ranks, free))
-    except MembershipError:
-        return True  # another agent recorded it first
-    log.info("generation 0: %d ranks and %d spare(s) recorded", len(ranks), len(free))
-    return True
 
 
 def forget_job(kv: KVStore, jobs: list[str]) -> int:

@@ -1,15 +1,16 @@
 """An agent's view of generation 0 before it is recorded (agent/first_generation.py), on an
 in-process store: a failure of a registered rank is held (its process fenced first when
 alive) until the limit, a seat whose process died unregistered starts again, and generation
-0 is recorded only when asked to and every rank has registered."""
+0 is recorded only when asked to and every rank has registered, by whichever agent is first."""
 
 from __future__ import annotations
 
+from dataclasses import astuple
 from types import SimpleNamespace
 
 import pytest
 
-from deadpool_megatron.agent.first_generation import FirstGeneration
+from deadpool_megatron.agent.first_generation import FirstGeneration, record_first_generation
 from deadpool_megatron.agent.hotswap import Held
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
@@ -103,3 +104,28 @@ def test_generation_0_is_recorded_when_asked_once_every_rank_registered(kv, tmp_
     assert first.up([spare2], record=True)
     assert MembershipStore(kv, JOB).current().spares == ("spare-3",)
     assert first.up([], record=False)  # recorded: up for everyone
+
+
+def test_generation_0_is_recorded_once_every_rank_registered_by_whichever_agent_is_first(kv):
+    # Two agents of a 2-node job (TP1 x PP2 x DP2): neither records while rank 3 has not
+    # registered; then node 1's agent (deciding on a failure) records first, with the spares
+    # that are alive, and node 0's poll finds it recorded (the first writer wins).
+    topo = Topology(4, 1, 2, 2)
+    ctx = JobContext(kv, JOB)
+    for rank in (0, 1, 2):
+        ctx.put(keys.registration(JOB, 0, rank), Registration(f"host{rank // 2}", 100 + rank))
+    spares = ["spare-4", "spare-5"]
+    alive = {"spare-4"}.__contains__
+    assert not record_first_generation(ctx, topo, spares, alive)
+    assert MembershipStore(kv, JOB).current() is None
+    ctx.put(keys.registration(JOB, 0, 3), Registration("host1", 103))
+    assert record_first_generation(JobContext(kv, JOB), topo, spares, alive)  # node 1's agent
+    recorded = MembershipStore(kv, JOB).current()
+    assert recorded.generation == 0 and recorded.spares == ("spare-4",)
+    assert [(m.rank, m.coords) for m in recorded.ranks] == [
+        (r, astuple(topo.coords(r))) for r in range(4)
+    ]
+    assert recorded.member(3).process_id == Registration("host1", 103).process_id
+    # node 0's agent, a moment later and seeing both spares alive: the record stands as is
+    assert record_first_generation(ctx, topo, spares, lambda sid: True)
+    assert MembershipStore(kv, JOB).current() == recorded

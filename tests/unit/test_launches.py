@@ -1,24 +1,15 @@
 """The agents' comparison of their launches through an in-process store, on a fake clock:
 alike launches go on, unlike ones are refused by every agent, a node that never starts is
-named; node 0, which may host the store, waits for the others to have read before it ends.
-And generation 0's record, which whichever agent sees every rank registered first writes."""
-
-from dataclasses import astuple
+named; node 0, which may host the store, waits for the others to have read before it ends."""
 
 import pytest
 from waiting import FakeClock
 
-from deadpool_megatron.agent.launches import (
-    COMPARED_WAIT_S,
-    compare_launches,
-    record_first_generation,
-)
+from deadpool_megatron.agent.launches import COMPARED_WAIT_S, compare_launches
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
-from deadpool_megatron.control.membership import MembershipStore
-from deadpool_megatron.control.messages import NodeLaunch, Registration
+from deadpool_megatron.control.messages import NodeLaunch
 from deadpool_megatron.errors import ConfigError, LaunchError
-from deadpool_megatron.topology import Topology
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,28 +61,3 @@ def test_a_node_that_never_starts_is_named_after_the_timeout(kv):
                                           r"within 60 s"):  # fmt: skip
         _compare(kv, 0, clock, nodes=3)
     assert 60.0 <= clock.now < 61.0
-
-
-def test_generation_0_is_recorded_once_every_rank_registered_by_whichever_agent_is_first(kv):
-    # Two agents of a 2-node job (TP1 x PP2 x DP2): neither records while rank 3 has not
-    # registered; then node 1's agent (deciding on a failure) records first, with the spares
-    # that are alive, and node 0's poll finds it recorded (the first writer wins).
-    topo = Topology(4, 1, 2, 2)
-    ctx = JobContext(kv, JOB)
-    for rank in (0, 1, 2):
-        ctx.put(keys.registration(JOB, 0, rank), Registration(f"host{rank // 2}", 100 + rank))
-    spares = ["spare-4", "spare-5"]
-    alive = {"spare-4"}.__contains__
-    assert not record_first_generation(ctx, topo, spares, alive)
-    assert MembershipStore(kv, JOB).current() is None
-    ctx.put(keys.registration(JOB, 0, 3), Registration("host1", 103))
-    assert record_first_generation(JobContext(kv, JOB), topo, spares, alive)  # node 1's agent
-    recorded = MembershipStore(kv, JOB).current()
-    assert recorded.generation == 0 and recorded.spares == ("spare-4",)
-    assert [(m.rank, m.coords) for m in recorded.ranks] == [
-        (r, astuple(topo.coords(r))) for r in range(4)
-    ]
-    assert recorded.member(3).process_id == Registration("host1", 103).process_id
-    # node 0's agent, a moment later and seeing both spares alive: the record stands as is
-    assert record_first_generation(ctx, topo, spares, lambda sid: True)
-    assert MembershipStore(kv, JOB).current() == recorded
