@@ -30,7 +30,17 @@ ROOT = keys.C10D_ROOT
 POLL_FIRST_S = 0.002  # rendezvous keys usually appear within milliseconds
 POLL_MAX_S = 0.05
 STOPPABLE_POLL_FIRST_S = 0.001
-STOPPABLE_POLL_MAX_S = 0.005  # a group's rendezvous waits on this once per member it meets
+# How often, at most, all the ranks waiting in a stoppable rendezvous at once ask the store in
+# all: each rank's pauses grow to world_size / this (at least 5 ms, at most 1 s).
+STORE_POLLS_PER_S = 2000.0
+
+
+def poll_cap(world_size: int) -> float:
+    """The longest pause between two polls of one rank's rendezvous wait: 5 ms for a job of
+    a few ranks; longer as it grows, so that its ranks waiting at once for a late peer (the
+    imports of thousands of processes end seconds apart) poll the one store about
+    STORE_POLLS_PER_S times a second in all; at most 1 s."""
+    return min(1.0, max(0.005, world_size / STORE_POLLS_PER_S))
 
 
 class EtcdC10dStore(dist.Store):
@@ -111,7 +121,8 @@ class StoppableStore(dist.Store):
     recovery can cut (there are no connections yet), so the peers sat there until the group's
     timeout, the recovery took them for blocked, and the job ended with every rank lost. Here
     the wait polls the key (`check`, a round trip of about 30 us; a TCPStore wait with a short
-    timeout logs two warnings per timeout instead) and asks `stop` at each poll: the recovery
+    timeout logs two warnings per timeout instead), pausing 1 ms, then longer up to
+    `poll_max_s`, and asks `stop` at each poll: the recovery
     order makes the set-up raise, and the rank sets up again in the next generation. A
     recovery's groups meet only after its own rendezvous (recovery/stages.py), which a newer
     order interrupts, so they keep torch's blocking get (no polling in a recovery's time).
@@ -119,12 +130,15 @@ class StoppableStore(dist.Store):
 
     def __init__(
         self, inner: dist.Store, stop: Callable[[], None], timeout_s: float,
+        poll_max_s: float = 0.005,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
     ):  # fmt: skip
+        """`poll_max_s`: the longest pause between two polls (`poll_cap`)."""
         super().__init__()
         self._inner = inner
         self._stop = stop
         self._timeout_s = timeout_s
+        self._poll_max_s = poll_max_s
         self._clock = clock
         self._sleep = sleep
 
@@ -136,7 +150,7 @@ class StoppableStore(dist.Store):
             if self._clock() >= deadline:
                 raise StoreTimeout(f"c10d keys {keys} did not appear within {timeout_s:g} s")
             self._sleep(pause)
-            pause = min(STOPPABLE_POLL_MAX_S, pause * 2)
+            pause = min(self._poll_max_s, pause * 2)
 
     # -- dist.Store ---------------------------------------------------------------------------
     def set(self, key: str, value) -> None:

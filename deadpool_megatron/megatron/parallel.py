@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from ..config import JobConfig
-from ..control.c10d import StoppableStore
+from ..control.c10d import StoppableStore, poll_cap
 from ..runtime import ENV_GROUP_PER_ROLE
 from ..topology import Topology
 from . import cpu_backend, groups
@@ -56,7 +56,8 @@ def init_distributed(
     backend = "nccl" if on_gpu else "gloo"
     meet: dist.Store = dist.PrefixStore(prefix, store)
     if stop is not None:
-        meet = StoppableStore(meet, stop, 60.0 * cfg.system.distributed_timeout_minutes)
+        meet = StoppableStore(meet, stop, 60.0 * cfg.system.distributed_timeout_minutes,
+                              poll_cap(world_size))  # fmt: skip
         _python_stores[:] = [meet]
     _init(cfg, rank, world_size, meet, backend, on_gpu)
     return on_gpu

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
-from ..control.c10d import StoppableStore
+from ..control.c10d import StoppableStore, poll_cap
 from ..control.context import JobContext
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, cpu_backend, parallel, upstream
@@ -131,7 +131,8 @@ class UpstreamSession(ProtectedLoop):
                 store = dist.PrefixStore(self.ctx.store_prefix(generation), self.store)
                 if plan is None:  # a recovery's groups meet after its own rendezvous instead
                     store = StoppableStore(store, self._stop_meeting,
-                                           60.0 * self.cfg.system.distributed_timeout_minutes)  # fmt: skip
+                                           60.0 * self.cfg.system.distributed_timeout_minutes,
+                                           poll_cap(self.env.world_size))  # fmt: skip
                 try:
                     pretrain(*args, **{**kwargs, "store": store})
                 except SystemExit as ended:

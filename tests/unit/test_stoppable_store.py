@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 from waiting import STORE_CONNECT_S, FakeClock
 
-from deadpool_megatron.control.c10d import StoppableStore
+from deadpool_megatron.control.c10d import StoppableStore, poll_cap
 from deadpool_megatron.control.store import StoreTimeout
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +48,14 @@ class World:
 
 
 def _store(tcp, world: World, timeout_s: float = 600.0) -> StoppableStore:
-    return StoppableStore(tcp, world.stop, timeout_s, world.clock, world.sleep)
+    return StoppableStore(tcp, world.stop, timeout_s, 0.005, world.clock, world.sleep)
+
+
+def test_the_pause_between_polls_grows_with_the_job_up_to_one_second():
+    # 2000 polls a second in all while every rank waits: 5 ms up to 10 ranks, 0.5 s at 1000
+    assert [poll_cap(n) for n in (2, 8, 10, 16, 1000, 2000, 16384)] == [
+        0.005, 0.005, 0.005, 0.008, 0.5, 1.0, 1.0
+    ]  # fmt: skip
 
 
 def test_a_get_waits_for_the_key_and_returns_its_value(tcp):
