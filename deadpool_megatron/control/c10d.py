@@ -113,7 +113,7 @@ class EtcdC10dStore(dist.Store):
 
 
 class StoppableStore(dist.Store):
-    """A generation's rendezvous store whose waits look at `stop` (which raises to give up)
+    """Generation 0's rendezvous store, whose waits look at `stop` (which raises to give up)
     between polls of the wrapped store.
 
     A rank that dies after registering and before its groups are up leaves every peer waiting
@@ -122,10 +122,10 @@ class StoppableStore(dist.Store):
     timeout, the recovery took them for blocked, and the job ended with every rank lost. Here
     the wait polls the key (`check`, a round trip of about 30 us; a TCPStore wait with a short
     timeout logs two warnings per timeout instead), pausing 1 ms, then longer up to
-    `poll_max_s`, and asks `stop` at each poll: the recovery
-    order makes the set-up raise, and the rank sets up again in the next generation. A
-    recovery's groups meet only after its own rendezvous (recovery/stages.py), which a newer
-    order interrupts, so they keep torch's blocking get (no polling in a recovery's time).
+    `poll_max_s`, and asks `stop` at each poll: the recovery order makes the set-up raise, and
+    the rank sets up again in the next generation. A recovery's groups meet only after its
+    own rendezvous (recovery/stages.py), which a newer order interrupts, so they keep torch's
+    blocking get (no polling in a recovery's time).
     """
 
     def __init__(
