@@ -58,13 +58,7 @@ from .children import Child, Children, Launch, job_env
 from .decide import Action, refused_its_input, respond
 from .first_generation import FirstGeneration
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
-from .launches import (
-    agree_job_id,
-    claim_launch,
-    compare_launches,
-    forget_job,
-    open_store,
-)
+from .launches import agree_job_id, claim_launch, compare_launches, forget_job, open_store
 from .nodes import Hosted, Lease, NodeWatch
 from .pool import SparePool
 from .replenish import Replenisher, SpareStart
@@ -189,7 +183,7 @@ class Agent:
         if not self.spare_node:
             for local in range(a.nproc_per_node):
                 rank = self.node * a.nproc_per_node + local
-                self.children.spawn(ROLE_WORKER, rank, local, env, self.extra_args)
+                self._start_seat(rank, local)
         count = a.nproc_per_node if self.spare_node else a.spares
         for s in range(count):
             local = spare_local_rank(s, a.nproc_per_node, self.spare_node)

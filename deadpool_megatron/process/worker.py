@@ -87,11 +87,11 @@ def watch(
     dpc = cfg.deadpool
     if takeover is not None:
         ctx, client = takeover.ctx, takeover.client
-        guard = Guard(cfg, env, ctx, client, progress)
     else:
         ctx = connect(env, dpc)
         client = ControlClient(ctx, env.fault_scope)
-        guard = Guard(cfg, env, ctx, client, progress)
+    guard = Guard(cfg, env, ctx, client, progress)
+    if takeover is None:
         guard.inject(0, "launch")  # kill@RANK:0:launch: a death before the job has met it
         client.register_worker(env.rank)
     recovery = ProcessRecovery(
