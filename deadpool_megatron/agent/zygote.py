@@ -56,6 +56,9 @@ IMPORT_ENV_PREFIXES = (
     "PYTHON", "LD_", "OMP_", "OPENBLAS_", "MKL_", "KMP_", "GOMP_", "TORCH", "PYTORCH_", "CUDA_",
     "NVIDIA_", "NVTE_", "NCCL_", "MEGATRON", "TRITON_",
 )  # fmt: skip
+# Matched by a prefix above, read by no import: PYTHON is the launch scripts' choice of
+# interpreter (scripts/slurm), which the request's `executable` already compares.
+NOT_IMPORT_ENV = frozenset({"PYTHON"})
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ class ServerRequest:
 
 def import_env_differences(ours: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
     """The names of import-time variables (IMPORT_ENV_PREFIXES) whose values differ."""
-    names = {k for k in (*ours, *theirs) if k.startswith(IMPORT_ENV_PREFIXES)}
+    names = {k for k in (*ours, *theirs)
+             if k.startswith(IMPORT_ENV_PREFIXES) and k not in NOT_IMPORT_ENV}  # fmt: skip
     return sorted(k for k in names if ours.get(k) != theirs.get(k))
 
 

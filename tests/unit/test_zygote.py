@@ -40,6 +40,8 @@ def _request(**change) -> ServerRequest:
         ({"preload": ("json", "numpy")}, "it preloaded json, the agent asks for json,numpy"),
         ({"env": {"OMP_NUM_THREADS": "4"}}, "the environment differs in OMP_NUM_THREADS"),
         ({"env": {"OMP_NUM_THREADS": "1", "LD_PRELOAD": "x.so"}}, "differs in LD_PRELOAD"),
+        ({"env": {"OMP_NUM_THREADS": "1", "PYTHONPATH": "/x"}}, "differs in PYTHONPATH"),
+        ({"env": {"OMP_NUM_THREADS": "1", "PYTHON": "/x/python"}}, None),  # the scripts' own
     ],
 )
 def test_a_fork_is_refused_where_it_would_differ_from_the_agents_own_server(change, why):
