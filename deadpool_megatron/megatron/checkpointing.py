@@ -125,7 +125,7 @@ _MCORE_ASYNC = (
 )
 
 
-def _install_results_queue(async_save: bool) -> None:
+def install_results_queue(async_save: bool) -> None:
     """Give megatron-core's writer the queue its write results go through before it makes
     its own: a multiprocessing Manager's, spawned, whose server unpickles every result (its
     first imports torch.distributed.checkpoint) and runs the parent's __main__ again before it
@@ -171,7 +171,7 @@ def save(
     if dist.get_rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
-    _install_results_queue(cfg.checkpoint.async_save)  # the job's: a sync save may come first
+    install_results_queue(cfg.checkpoint.async_save)  # the job's: a sync save may come first
     # One writer per rank: on a CPU node every core already runs a rank.
     strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1 if is_cpu() else 2)
     sharded = _sharded_state_dict(state, iteration, is_loading=False)

@@ -203,13 +203,14 @@ class UpstreamSession(ProtectedLoop):
         if not self.position.on_gpu:
             cpu_backend.patch_loaded_modules()  # modules Megatron-LM imported lazily
         self._carry_exit_signal()
+        from megatron.training.global_vars import get_args
+
+        checkpointing.install_results_queue(get_args().async_save)  # before its first save
         state = train_state(model, optimizer, scheduler)
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
         if pending is None:
-            from megatron.training.global_vars import get_args
-
             self.inject(0, "setup")  # ACTION@R:0:setup, here after Megatron-LM's --load
             self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
             return
@@ -223,8 +224,6 @@ class UpstreamSession(ProtectedLoop):
             phases["rebuild_communicators"] += time.perf_counter() - t
             start = None
             if pending.plan.from_start:  # pretrain() set everything up again, --load included
-                from megatron.training.global_vars import get_args
-
                 start = get_args().iteration
             else:
                 materialize_optimizer_state(optimizer)  # the restore overwrites it entirely

@@ -1,6 +1,6 @@
 """The queue megatron-core's checkpoint writer sends its write results through: a plain one for
 synchronous saves, and for asynchronous ones a Manager whose spawned server does not run the
-training script again (checkpointing._install_results_queue)."""
+training script again (checkpointing.install_results_queue)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def no_results_queue(monkeypatch):
 
 
 def test_a_synchronous_save_gets_a_plain_queue_and_no_process(no_results_queue):
-    checkpointing._install_results_queue(async_save=False)
+    checkpointing.install_results_queue(async_save=False)
     results = filesystem_async._results_queue
     assert type(results) is queue.Queue
-    checkpointing._install_results_queue(async_save=True)  # installed once per process
+    checkpointing.install_results_queue(async_save=True)  # installed once per process
     assert filesystem_async._results_queue is results
 
 
@@ -40,7 +40,7 @@ def test_an_asynchronous_saves_manager_does_not_run_the_script_again(
     main = types.ModuleType("__main__")
     main.__file__ = str(script)
     monkeypatch.setitem(sys.modules, "__main__", main)
-    checkpointing._install_results_queue(async_save=True)
+    checkpointing.install_results_queue(async_save=True)
     results = filesystem_async._results_queue
     assert sys.modules["__main__"] is main  # given back
     results.put({0: ["written"]})
