@@ -55,7 +55,7 @@ def main(rank: int, store_file: str, rounds: int) -> None:
 
         threading.Thread(target=all_reduces, daemon=True).start()
         barrier(f"start {r}")
-        time.sleep(0.2 + rng.random() * 0.2 + (rng.random() * 0.05 if rank == 1 else 0.0))
+        time.sleep(0.05 + rng.random() * 0.1 + (rng.random() * 0.05 if rank == 1 else 0.0))
         cut += abort.abort()
         barrier(f"aborted {r}")
         stuck += not ended.wait(3.0)

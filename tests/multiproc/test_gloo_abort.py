@@ -43,7 +43,8 @@ def test_an_abort_while_all_reduces_run_rarely_leaves_one_pending(tmp_path, run_
     # about 1 in 100 (4 of 560 here, 1 of 40 in CI; always a 4 MB all-reduce on the process
     # that aborted second): the residual race the abort's docstring describes. At most 8 of
     # 200: this abort exceeds it about one run in 50 even at 2 in 100, the previous one would
-    # meet it about one run in 170.
+    # meet it about one run in 170. The pause before each abort was 200-400 ms, now 50-150 ms
+    # (one run 45 s -> 20-31 s): the same rate, 4 of 600 in three runs.
     driver = ROOT / "tests" / "drivers" / "abort_race_driver.py"
     outs = run_drivers(driver, [[str(r), str(tmp_path / "store"), "100"] for r in range(2)], 400)
     assert sum(o["stuck"] for o in outs) <= 8, outs
