@@ -8,6 +8,7 @@ The only module that touches `megatron.training`; imported only by a patched Meg
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ from ..config import JobConfig, check_model_parallel, validate_deadpool
 from ..errors import ConfigError
 from ..flags import add_config_flags, build_job_config
 from .parallel import destroy_distributed
+
+log = logging.getLogger("deadpool.upstream")
 
 # Megatron-LM's flags DeadPool reads too, under their JobConfig field names (same spelling).
 _SHARED_FLAGS: tuple[tuple[str, type | None, object], ...] = (
@@ -91,6 +94,25 @@ def reset_global_state() -> None:
 
     destroy_global_state()
     destroy_distributed()
+
+
+def skip_jit_warmup() -> None:
+    """From the first recovery on: pretrain() run again skips Megatron-LM's JIT warm-up
+    (initialize._warmup_jit_function). It compiles the fused bias-GeLU and bias-dropout-add
+    functions with torch.compile on random tensors whatever the fusion flags say, and a
+    claimed spare compiled them from nothing inside the recovery (most of its 7.4 s model
+    phase here, with both fusions off). Survivors compiled them in generation 0; a used fused
+    function compiles at its first call instead; the random draws it skips are overwritten by
+    the restore, which sets every generator's state."""
+    from megatron.training import initialize
+
+    if initialize._warmup_jit_function is not _no_jit_warmup:
+        initialize._warmup_jit_function = _no_jit_warmup
+        log.info("pretrain() runs again without Megatron-LM's JIT warm-up (compiled at first use)")
+
+
+def _no_jit_warmup() -> None:
+    pass
 
 
 def _signal_handler():
