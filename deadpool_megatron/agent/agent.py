@@ -388,7 +388,7 @@ class Agent:
             log.error("this node (%d) was counted lost by the job (its lease lapsed); stopping "
                       "its processes, which no longer hold any rank", self.node)  # fmt: skip
             return self._end(f"node {self.node} counted lost")
-        run.lost_nodes.extend(run.nodes.poll(run.up))
+        run.nodes_lost(run.nodes.poll(run.up))
         while run.lost_nodes:
             rc = self._node_lost(run.lost_nodes.pop(0), run)
             if rc is not None:

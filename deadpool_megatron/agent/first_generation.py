@@ -75,9 +75,8 @@ class FirstGeneration:
         log.warning("worker rank %d (pid %d) %s before it registered with the job; nothing "
                     "of it is in the job yet, so its seat starts again", rank, old.proc.pid,
                     describe_exit(exited.returncode))  # fmt: skip
-        run.relaunched.add(rank)
         child = self._start_seat(rank, old.local_rank)
-        run.workers[rank] = child
+        run.relaunch(rank, child)
         self.events.emit(RANK_RELAUNCHED, rank=rank, old_pid=old.proc.pid, pid=child.proc.pid,
                          returncode=exited.returncode)  # fmt: skip
 
@@ -99,7 +98,7 @@ class FirstGeneration:
             log.error("not every rank registered within %.0f s of the failure of rank %d; "
                       "ending the job", self.limit_s, rank)  # fmt: skip
             return False
-        run.held[rank] = held
+        run.hold(rank, held)
         return True
 
 

@@ -80,6 +80,29 @@ class Run:
     relaunched: set[int] = field(default_factory=set)  # ranks started again before registering
     held: dict[int, Held] = field(default_factory=dict)  # failures waiting for generation 0
 
+    # Changed through these by whoever the agent hands it (its hot-swap, generation 0's watch).
+    def relaunch(self, rank: int, child: Child) -> None:
+        """`rank`'s seat started again before it registered (once: decide.py)."""
+        self.relaunched.add(rank)
+        self.workers[rank] = child
+
+    def hold(self, rank: int, held: Held) -> None:
+        """`rank`'s failure waits for every rank to register."""
+        self.held[rank] = held
+
+    def replace(self, rank: int, generation: int) -> Child | None:
+        """`rank` moved to a spare in `generation`: the process that held it here, if any."""
+        self.replaced_in[rank] = generation
+        return self.workers.pop(rank, None)
+
+    def seat(self, rank: int, spare: Child) -> None:
+        """A local spare now holds `rank`."""
+        self.workers[rank] = spare
+
+    def nodes_lost(self, beats: list[AgentBeat]) -> None:
+        """Nodes seen lost during a recovery, acted on once it is through."""
+        self.lost_nodes.extend(beats)
+
 
 @dataclass(frozen=True)
 class Stop:
@@ -188,7 +211,7 @@ class HotSwap:
         now = time.monotonic()
         if now >= self._next_node_look:  # a node lost during the gather, seen in time
             self._next_node_look = now + NODE_LOOK_S
-            self.run.lost_nodes.extend(self.run.nodes.poll())
+            self.run.nodes_lost(self.run.nodes.poll())
         return self.run.nodes.lost_rank(rank, generation)
 
     def _spares_for(self, generation: int, failed: set[int]) -> Spares:
@@ -307,9 +330,7 @@ class HotSwap:
                     told.add(rank)
                     self.fence(rank, f"lost during the recovery: {why}")
                     self.ctx.put(keys.rank_lost(self.ctx.job, generation, rank), RankLost(why))
-            self.run.lost_nodes.extend(
-                self.run.nodes.poll()
-            )  # acted on once this recovery is through
+            self.run.nodes_lost(self.run.nodes.poll())  # acted on once this recovery is through
             if order.by != self.node and self.run.nodes.is_lost(order.by):
                 return "coordinator lost"
             return None
@@ -341,15 +362,14 @@ class HotSwap:
         """The plan's word on this node: claimed local spares now hold ranks; local ranks it
         gave to spares elsewhere are no longer this node's."""
         for rank, sid in sorted(plan.replaced.items()):
-            self.run.replaced_in[rank] = plan.generation
-            old = self.run.workers.pop(rank, None)
+            old = self.run.replace(rank, plan.generation)
             if old is not None:
                 if old.alive():
                     old.kill()  # a replaced process must not live on beside its successor
                 self.run.pool.worker_lost(old)
             spare = self.run.pool.take(sid)
             if spare is not None:
-                self.run.workers[rank] = spare
+                self.run.seat(rank, spare)
                 log.info("spare %d (pid %d) takes over rank %d", spare.index, spare.proc.pid,
                          rank)  # fmt: skip
         self.run.monitor.set_ranks(sorted(self.run.workers))

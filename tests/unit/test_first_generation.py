@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from deadpool_megatron.agent.first_generation import FirstGeneration, record_first_generation
-from deadpool_megatron.agent.hotswap import Held
+from deadpool_megatron.agent.hotswap import Held, Run
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.membership import MembershipStore
@@ -33,9 +33,9 @@ def _child(pid: int, local_rank: int = 1, alive: bool = True):
                            alive=lambda: alive)  # fmt: skip
 
 
-def _run():
-    return SimpleNamespace(workers={0: _child(100, 0), 1: _child(101)}, held={},
-                           relaunched=set())  # fmt: skip
+def _run() -> Run:
+    # the node's processes; its watchers are not used here
+    return Run({0: _child(100, 0), 1: _child(101)}, None, None, None, None, None)
 
 
 def _detection(rank: int, at: float) -> Detection:

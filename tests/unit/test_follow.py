@@ -6,7 +6,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-from deadpool_megatron.agent.hotswap import HotSwap, Stop
+from deadpool_megatron.agent.hotswap import HotSwap, Run, Stop
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.membership import Member, Membership, MembershipStore
@@ -22,8 +22,7 @@ def _run(finished: set[int], workers: tuple[int, ...]):
         lost=lambda r: None,  # still running: the follower waits for it
     )
     nodes = SimpleNamespace(poll=lambda: [], is_lost=lambda node: False)
-    return SimpleNamespace(workers=dict.fromkeys(workers), monitor=monitor, nodes=nodes,
-                           lost_nodes=[], coordinator=None)  # fmt: skip
+    return Run(dict.fromkeys(workers), None, monitor, None, None, nodes)
 
 
 def test_a_follower_says_its_ranks_finished_and_ends_as_finished(kv):
