@@ -7,7 +7,8 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
 1. stop: cut its communicators (recovery/abort.py), so every peer's pending collective fails
    too, and stop the protection pipeline, keeping its committed snapshots and replicas;
 2. await order / report holdings: publish what it holds for the ordered generation;
-3. await plan: the agent's plan for that generation, or why nothing can be recovered;
+3. await plan: the agent's plan for that generation, or why nothing can be recovered
+   (2, 3 and 4's meeting go through the store: recovery/exchange.py);
 4. rebuild: tear down every group, meet everyone of the generation on the store, build
    torch.distributed and megatron-core's groups on the generation's store prefix, then the
    model and optimizer (nothing built before stays reachable from training); with
@@ -51,11 +52,8 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control import keys
 from ..control.context import JobContext
-from ..control.messages import Flag, HoldingsReport, PlanDecision, Recovered
-from ..control.store import StoreTimeout
-from ..control.wait import wait_until
-from ..errors import CheckpointError, ConfigError, DeadpoolError
-from ..failure.hang import HangPolicy
+from ..control.messages import HoldingsReport, Recovered
+from ..errors import CheckpointError, ConfigError
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
 from ..megatron.checkpointing import materialize_optimizer_state, optimizer_state_ready
@@ -68,6 +66,13 @@ from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
+from .exchange import (
+    RecoveryExchange,
+    RecoveryFailed,
+    RecoveryOrdered,
+    StageTimeouts,
+    Superseded,
+)
 from .held import Held
 from .kept import Kept, keep_or_build
 from .leftovers import LeftBehind
@@ -76,33 +81,6 @@ from .release import collect_left_behind
 from .transfer import transfer_state
 
 log = logging.getLogger("deadpool.recovery")
-
-
-class RecoveryOrdered(DeadpoolError):
-    """The agent ordered a recovery into a newer generation: stop this iteration."""
-
-
-class RecoveryFailed(DeadpoolError):
-    """This process cannot take part in any recovery (unrecoverable, timed out, inconsistent)."""
-
-
-class Superseded(DeadpoolError):
-    """A newer generation was ordered while this one was being recovered into."""
-
-
-@dataclass(frozen=True)
-class StageTimeouts:
-    """Seconds each waiting stage may take before the process gives up."""
-
-    stop_s: float  # the protection threads must stop
-    order_s: float  # the agent may first wait for slow ranks to stop
-    plan_s: float  # the agent waits for every rank's holdings, slow ones included
-    rendezvous_s: float  # everyone of the generation must arrive
-
-    @classmethod
-    def from_config(cls, dpc) -> StageTimeouts:
-        slow = HangPolicy.from_config(dpc).slow_phase_s
-        return cls(max(10.0, dpc.deadpool_heartbeat_timeout), slow, slow, slow)
 
 
 @dataclass
@@ -173,8 +151,8 @@ class ProcessRecovery:
         self.report = report  # evidence of this process's own failure, for the agent
         self.inject = inject  # fault injection at the "recovery" phase
         self.timeouts = timeouts or StageTimeouts.from_config(cfg.deadpool)
-        self._clock = clock
-        self._sleep = sleep
+        self.exchange = RecoveryExchange(ctx, env.rank, env.world_size, self.timeouts, clock,
+                                         sleep)  # fmt: skip
         self._cpu_clock = cpu_clock  # this process's CPU seconds, every thread
         self._cpu_at = 0.0  # the CPU clock when the recovery under way began
         self.topology = Topology(
@@ -333,47 +311,23 @@ class ProcessRecovery:
             pipeline.abort(self.timeouts.stop_s)
             self.held.keep(pipeline)
 
-    # -- 2. order, holdings -------------------------------------------------------------------
+    # -- 2. order, holdings (recovery/exchange.py) ------------------------------------------
     def await_order(self) -> int:
-        def poll() -> int | None:
-            ordered = self.ctx.ordered
-            return ordered if ordered > max(self.ctx.generation, self._spent) else None
-
-        try:
-            return wait_until(poll, self.timeouts.order_s, "a recovery order from the agent",
-                              clock=self._clock, sleep=self._sleep)  # fmt: skip
-        except StoreTimeout as err:
-            raise RecoveryFailed(str(err)) from err
+        return self.exchange.await_order(self._spent)
 
     def report_holdings(self, generation: int) -> None:
-        h = self.held.holdings()
-        key = keys.holdings(self.ctx.job, generation, self.env.rank)
-        self.ctx.put(key, HoldingsReport(h, self.completed, self.trained))
-        log.info(
-            "generation %d: holding snapshots %s and replicas %s",
-            generation, sorted(h.snapshots), {o: sorted(i) for o, i in h.replicas.items()},
-        )  # fmt: skip
+        self.exchange.report_holdings(
+            generation, HoldingsReport(self.held.holdings(), self.completed, self.trained)
+        )
 
     # -- 3. plan -----------------------------------------------------------------------------
     def await_plan(self, generation: int) -> RecoveryPlan:
-        try:
-            decision = self.ctx.wait_for(
-                keys.recovery_plan(self.ctx.job, generation), PlanDecision,
-                self.timeouts.plan_s, f"the plan of generation {generation}",
-                interrupt=lambda: self._superseded(generation, "waiting for its plan"),
-                clock=self._clock, sleep=self._sleep,
-            )  # fmt: skip
-        except StoreTimeout as err:
-            raise RecoveryFailed(str(err)) from err
-        if decision.plan is None:
-            raise RecoveryFailed(decision.unrecoverable or decision.finished or "unrecoverable")
+        decision = self.exchange.await_plan(generation)
         self._failed_iteration = decision.failed_iteration
         return decision.plan
 
     def _superseded(self, generation: int, where: str) -> None:
-        ordered = self.ctx.ordered
-        if ordered > generation:
-            raise Superseded(f"generation {ordered} was ordered while {where} of {generation}")
+        self.exchange.superseded(generation, where)
 
     # -- 4. rebuild --------------------------------------------------------------------------
     def rebuild(
@@ -468,24 +422,7 @@ class ProcessRecovery:
             self.inject(self._failed_iteration, "recovery")
 
     def rendezvous(self, generation: int) -> None:
-        """Everyone of the generation is here: only then build groups (a gloo rendezvous
-        waiting for a dead process cannot be interrupted; this wait can)."""
-        job = self.ctx.job
-        self.ctx.put(keys.arrived(job, generation, self.env.rank), Flag(str(self.env.rank)))
-        waiting = set(range(self.env.world_size))
-
-        def poll() -> bool | None:
-            self._superseded(generation, "meeting for the rendezvous")
-            waiting.difference_update(
-                {r for r in waiting if self.ctx.get(keys.arrived(job, generation, r), Flag)}
-            )
-            return True if not waiting else None
-
-        try:
-            wait_until(poll, self.timeouts.rendezvous_s, f"the rendezvous of generation "
-                       f"{generation}", clock=self._clock, sleep=self._sleep)  # fmt: skip
-        except StoreTimeout as err:
-            raise RecoveryFailed(f"ranks {sorted(waiting)} never joined: {err}") from err
+        self.exchange.rendezvous(generation)
 
     # -- 5. restore (recovery/transfer.py) ---------------------------------------------------
     def restore(self, rebuilt: Rebuilt, plan: RecoveryPlan, group: dist.ProcessGroup) -> int:
