@@ -182,6 +182,9 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
         etcd.stop()
     assert f"(slurm-{job}) finished" in out and f"(slurm-{job}-requeue1) finished" in out, out
     assert "loaded checkpoint of iteration 7" in (run_dir / "node-0.requeue1.log").read_text()
+    # the session's zygote served every agent: PYTHON, which the Slurm script reads, is no
+    # reason to refuse (it refused them all before, and each agent imported anew)
+    assert _logs(run_dir).count("forked from the zygote") == 6, _logs(run_dir)[-4000:]
     losses, final = read_metrics(str(metrics))
     assert losses == baseline.losses
     assert final["state_digest"] == baseline.digest
