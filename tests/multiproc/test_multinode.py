@@ -85,7 +85,11 @@ def _sbatch(slurm, tmp_path, run_dir, nodes: int, spare_nodes: int, args: list[s
     """Submit the Slurm script with our pretrain_gpt.py on CPU (even if MEGATRON_LM_DIR is
     set), its batch output in tmp_path/batch.out; returns the job id. Without `zygote` each
     agent starts its own fork server, in its process tree and its step."""
-    env = dict(slurm.env, NPROC_PER_NODE=str(NPROC), SPARE_NODES=str(spare_nodes),
+    # slurm.env copied the session's environment, the zygote's socket with it: dropped, and
+    # unset, without one (the socket only made no difference while the zygote refused these
+    # agents for PYTHON, which it no longer does)
+    base = {k: v for k, v in slurm.env.items() if zygote or k != ENV_FORK_ZYGOTE}
+    env = dict(base, NPROC_PER_NODE=str(NPROC), SPARE_NODES=str(spare_nodes),
                DEADPOOL_GPU="0", PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT),
                DEADPOOL_RUN_DIR=str(run_dir), MASTER_PORT=str(free_port()),
                TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
@@ -137,6 +141,7 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
     assert re.search(r"replica 4->2, parameters \d->3, replica 5->3", logs), logs[-4000:]
     assert done["total_s"] > 0
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in victims)
+    assert "forked from the zygote" not in logs  # node 1's fork server was among the victims
 
 
 def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
@@ -221,6 +226,7 @@ def test_sbatch_signalled_with_the_exit_signal_handler_saves_where_every_rank_st
     assert f"every rank stops after iteration {stopped}, saving it" in logs
     assert logs.count("stopped by SIGTERM, exiting") == 2, logs[-4000:]  # the spare node's
     assert "classified" not in logs and "Traceback" not in logs, logs[-4000:]
+    assert "forked from the zygote" not in logs  # each fork server in its agent's step
 
 
 def _logs(run_dir) -> str:
