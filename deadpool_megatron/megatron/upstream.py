@@ -96,19 +96,26 @@ def reset_global_state() -> None:
     destroy_distributed()
 
 
-def skip_jit_warmup() -> None:
-    """From the first recovery on: pretrain() run again skips Megatron-LM's JIT warm-up
-    (initialize._warmup_jit_function). It compiles the fused bias-GeLU and bias-dropout-add
+def jit_warmup(restoring: bool) -> None:
+    """Before pretrain() runs again: skip Megatron-LM's JIT warm-up
+    (initialize._warmup_jit_function) when a restore follows the set-up, keep it when the plan
+    sets every rank up from the start. It compiles the fused bias-GeLU and bias-dropout-add
     functions with torch.compile on random tensors whatever the fusion flags say, and a
     claimed spare compiled them from nothing inside the recovery (most of its 7.4 s model
     phase here, with both fusions off). Survivors compiled them in generation 0; a used fused
     function compiles at its first call instead; the random draws it skips are overwritten by
-    the restore, which sets every generator's state."""
+    the restore, which sets every generator's state. From the start nothing is restored: the
+    draws must be those of generation 0's set-up, which the model's initialization follows."""
     from megatron.training import initialize
 
-    if initialize._warmup_jit_function is not _no_jit_warmup:
-        initialize._warmup_jit_function = _no_jit_warmup
-        log.info("pretrain() runs again without Megatron-LM's JIT warm-up (compiled at first use)")
+    # Megatron-LM's own, kept beside it the first time ours stands in
+    own = vars(initialize).setdefault("_deadpool_jit_warmup", initialize._warmup_jit_function)
+    warmup = _no_jit_warmup if restoring else own
+    if initialize._warmup_jit_function is not warmup:
+        initialize._warmup_jit_function = warmup
+        if restoring:
+            log.info("pretrain() runs again without Megatron-LM's JIT warm-up (compiled at "
+                     "first use)")  # fmt: skip
 
 
 def _no_jit_warmup() -> None:

@@ -123,7 +123,7 @@ class UpstreamSession(ProtectedLoop):
                     if note is not None:
                         self._exit_notes.append(note)
                     upstream.reset_global_state()
-                    upstream.skip_jit_warmup()
+                    upstream.jit_warmup(restoring=not plan.from_start)
                     old_groups = self.recovery.reset_communicators(plan)
                     self.pending = _Pending(plan, old_groups, time.perf_counter() - started)
                 generation = plan.generation if plan is not None else 0

@@ -137,6 +137,9 @@ def test_upstream_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     losses, final = failure_free
     got, got_final, output = _run(megatron_lm, tmp_path, "setup", ["--deadpool-inject", spec])
     assert "every rank sets up again from the start" in output
+    # its JIT warm-up too: the model's initialization follows its random draws, and nothing
+    # is restored over them (skipped, every loss differed)
+    assert "without Megatron-LM's JIT warm-up" not in output
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
