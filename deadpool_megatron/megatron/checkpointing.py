@@ -126,11 +126,12 @@ _MCORE_ASYNC = (
 
 
 def install_results_queue(async_save: bool) -> None:
-    """Give megatron-core's writer the queue its write results go through before it makes
-    its own: a multiprocessing Manager's, spawned, whose server unpickles every result (its
-    first imports torch.distributed.checkpoint) and runs the parent's __main__ again before it
-    serves (the training script, with its torch and megatron-core imports). Measured with the
-    demo's PP2 x DP2: the first save took 7.5 s, the next 0.25 s.
+    """Give megatron-core's writer a fresh queue for the write results of the next save (it
+    takes the module's at each save's start), before it makes its own: a multiprocessing
+    Manager's, spawned, whose server unpickles every result (its first imports
+    torch.distributed.checkpoint) and runs the parent's __main__ again before it serves (the
+    training script, with its torch and megatron-core imports). Measured with the demo's
+    PP2 x DP2: the first save took 7.5 s, the next 0.25 s.
 
     A synchronous save writes and reads its results in this process: a plain queue.Queue does.
     An asynchronous one writes them from megatron-core's background process, so it keeps a
@@ -139,15 +140,18 @@ def install_results_queue(async_save: bool) -> None:
     its finalizer, so a worker killed outright orphaned it for the rest of the job (measured
     under torchrun: one per restart, and the job's output pipe never closed). The kernel's
     signal follows the thread that started it, so only from the main thread (the training
-    loop's)."""
+    loop's). Fresh for each save: one that a recovery interrupted after its write and before
+    its finalization (a barrier between them), or abandoned in flight, leaves its results in
+    its queue, and the next save, reading the first item, would take them for its own."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
     if not async_save:
         filesystem_async._results_queue = queue.Queue()
         return
-    if threading.current_thread() is threading.main_thread():
+    manager = getattr(getattr(filesystem_async, "_results_queue", None), "_manager", None)
+    if manager is None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # megatron-core starts its own
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
         script = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")
@@ -155,7 +159,7 @@ def install_results_queue(async_save: bool) -> None:
             manager.start(initializer=die_with_parent)  # pickled by name: imports runtime only
         finally:
             sys.modules["__main__"] = script
-        filesystem_async._results_queue = manager.Queue()
+    filesystem_async._results_queue = manager.Queue()
 
 
 def save(

@@ -206,7 +206,9 @@ class UpstreamSession(ProtectedLoop):
         self._carry_exit_signal()
         from megatron.training.global_vars import get_args
 
-        checkpointing.install_results_queue(get_args().async_save)  # before its first save
+        # a fresh one in each generation, before its first save: a save the failure cut short
+        # leaves its results in the one before
+        checkpointing.install_results_queue(get_args().async_save)
         state = train_state(model, optimizer, scheduler)
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)

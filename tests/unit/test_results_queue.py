@@ -25,8 +25,11 @@ def test_a_synchronous_save_gets_a_plain_queue_and_no_process(no_results_queue):
     checkpointing.install_results_queue(async_save=False)
     results = filesystem_async._results_queue
     assert type(results) is queue.Queue
-    checkpointing.install_results_queue(async_save=True)  # installed once per process
-    assert filesystem_async._results_queue is results
+    # A save a recovery cut short after its write, before its finalization read its results:
+    results.put({0: ["written by the interrupted save"]})
+    checkpointing.install_results_queue(async_save=False)  # the next save
+    assert filesystem_async._results_queue is not results
+    assert filesystem_async._results_queue.empty()  # it will read its own results only
 
 
 def test_an_asynchronous_saves_manager_does_not_run_the_script_again(
@@ -47,3 +50,7 @@ def test_an_asynchronous_saves_manager_does_not_run_the_script_again(
     assert results.get(timeout=10) == {0: ["written"]}
     assert not mark.exists()
     assert results._manager is not None
+    results.put({0: ["written by a save abandoned in flight"]})
+    checkpointing.install_results_queue(async_save=True)  # the next save: same server
+    fresh = filesystem_async._results_queue
+    assert fresh._manager is results._manager and fresh.empty()
