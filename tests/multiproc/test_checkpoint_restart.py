@@ -61,6 +61,19 @@ def test_under_torchrun_a_kill_restarts_from_the_checkpoint_bitwise(tmp_path, ba
     assert result.executions[6] == [baseline.losses[6]] * 2  # replayed after the restart
 
 
+def test_a_save_interrupted_before_its_finalization_leaves_nothing_for_the_next(
+    tmp_path, run_drivers
+):
+    # A recovery can abort the barrier between a save's write and its finalization, which
+    # reads the write's results from a queue. With megatron-core's single queue the next save
+    # read that leftover as its own: it committed a checkpoint whose index points at the
+    # first save's offsets, and its load failed. Each save's own queue keeps it whole.
+    driver = ROOT / "tests" / "drivers" / "interrupted_save_driver.py"
+    (out,) = run_drivers(driver, [[str(tmp_path / "store"), str(tmp_path / "ckpt")]], 120)
+    assert out["fresh"] == "loaded whole"
+    assert out["single"] != "loaded whole"  # what the fresh queue prevents
+
+
 def test_kill_during_a_save_never_loads_the_incomplete_checkpoint(tmp_path, baseline):
     # Rank 2 dies after writing its shard of iteration 10, before the checkpoint is complete.
     result, events = _restart_run(tmp_path, "kill@2:10:save")
