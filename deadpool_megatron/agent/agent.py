@@ -46,7 +46,7 @@ from ..events import (
     SUSPECTED,
     EventLog,
 )
-from ..failure.classify import describe
+from ..failure.classify import Classification, describe
 from ..failure.evidence import HealthCheckFailed, ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
 from ..failure.procstate import exiting_status
@@ -55,7 +55,7 @@ from ..recovery.placement import spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, job_env
-from .decide import Action, refused_its_input, respond
+from .decide import Action, Response, refused_its_input, respond
 from .first_generation import FirstGeneration
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
 from .launches import agree_job_id, claim_launch, compare_launches, forget_job, open_store
@@ -417,18 +417,12 @@ class Agent:
             if held is None:
                 self._log_detection(detection, run.monitor.iteration)
 
-            def fence() -> None:
-                if response.fence:
-                    self.swap.fence(c.rank, describe(c.evidence))
-
-            if self.first.hold(detection, held, run, fence):
+            if self.first.hold(detection, held, run, lambda: self._fence(c, response)):
                 return None
             return self._end(f"failure of rank {c.rank} before every rank registered")
-        fence_s = 0.0 if held is None else held.fence_s
-        if response.fence:
-            t = time.time()
-            self.swap.fence(c.rank, describe(c.evidence))
-            fence_s = time.time() - t
+        fence_s = self._fence(c, response)
+        if held is not None and not response.fence:
+            fence_s = held.fence_s  # fenced as its wait began
         if not refused_its_input(c) and held is None:  # not a failure: said below
             self._log_detection(detection, run.monitor.iteration)
         if held is not None:
@@ -459,6 +453,14 @@ class Agent:
         failed_at = detection.injected_at or detection.classification.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}
         return self._stop(self.swap.recover(permanent, c.reason, failed_at, phases), run)
+
+    def _fence(self, c: Classification, response: Response) -> float:
+        """Fence the failed rank's process if the response says so; the seconds it took."""
+        if not response.fence:
+            return 0.0
+        t = time.time()
+        self.swap.fence(c.rank, describe(c.evidence))
+        return time.time() - t
 
     def _node_lost(self, beat: AgentBeat, run: Run) -> int | None:
         """Another node's lease lapsed: its agent and processes are gone (or cut off, and

@@ -11,7 +11,6 @@ a failure before then (agent/decide.py says which):
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import astuple
 
@@ -81,16 +80,14 @@ class FirstGeneration:
                          returncode=exited.returncode)  # fmt: skip
 
     def hold(
-        self, detection: Detection, held: Held | None, run: Run, fence: Callable[[], None]
+        self, detection: Detection, held: Held | None, run: Run, fence: Callable[[], float]
     ) -> bool:
         """Keep a registered rank's failure until generation 0 is recorded (`fence`: kill
-        its process first, when it is alive). True while it may wait; False once it waited
-        longer than the limit."""
+        its process first, when it is alive, and say how long that took). True while it may
+        wait; False once it waited longer than the limit."""
         rank = detection.classification.rank
         if held is None:
-            t = time.time()
-            fence()
-            held = Held(detection, time.time() - t, run.workers[rank].proc.pid)
+            held = Held(detection, fence(), run.workers[rank].proc.pid)
             if self.registered(rank):  # else, fenced unregistered: its seat starts again
                 log.warning("rank %d failed before every rank registered with the job: its "
                             "recovery waits for them (up to %.0f s)", rank, self.limit_s)  # fmt: skip

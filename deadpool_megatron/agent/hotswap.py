@@ -54,7 +54,7 @@ MAX_PLANS = 8  # plans tried when a planned spare cannot be claimed (each try le
 
 @dataclass(frozen=True)
 class Held:
-    """A failure waiting for every rank to register (agent.py's _hold): its first detection
+    """A failure waiting for every rank to register (FirstGeneration.hold): its first detection
     (the recovery counts from it), the time its fence took, and the process it was of (a
     later process in the seat is a new case)."""
 

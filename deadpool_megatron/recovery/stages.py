@@ -326,9 +326,6 @@ class ProcessRecovery:
         self._failed_iteration = decision.failed_iteration
         return decision.plan
 
-    def _superseded(self, generation: int, where: str) -> None:
-        self.exchange.superseded(generation, where)
-
     # -- 4. rebuild --------------------------------------------------------------------------
     def rebuild(
         self, plan: RecoveryPlan, trainer: Trainer | None, make_trainer: MakeTrainer | None = None
@@ -413,7 +410,7 @@ class ProcessRecovery:
         self.abort.rearm()
         # An order that came while rearming may have aborted before the rearm undid it: its
         # peers are leaving, and a group built now would wait on them.
-        self._superseded(plan.generation, "rearming its communicators")
+        self.exchange.superseded(plan.generation, "rearming its communicators")
         return old_groups
 
     def inject_recovery_fault(self) -> None:

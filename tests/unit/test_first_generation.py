@@ -57,24 +57,25 @@ def test_a_registered_ranks_failure_is_held_fenced_once_until_the_limit(kv, tmp_
     first = _first(kv, tmp_path)
     JobContext(kv, JOB).put(keys.registration(JOB, 0, 1), Registration("h", 101))
     run, fenced = _run(), []
-    assert first.hold(_detection(1, 1000.0), None, run, lambda: fenced.append(1))
+    assert first.hold(_detection(1, 1000.0), None, run, lambda: fenced.append(1) or 0.25)
     held = run.held[1]
     assert isinstance(held, Held) and held.pid == 101 and held.detection.detected_at == 1000.0
+    assert held.fence_s == 0.25  # what the fence said it took
     assert fenced == [1] and "its recovery waits for them (up to 600 s)" in caplog.text
     # later looks keep the first detection, and do not fence again
     assert first.hold(
-        _detection(1, 1000.0 + LIMIT_S), run.held.pop(1), run, lambda: fenced.append(2)
+        _detection(1, 1000.0 + LIMIT_S), run.held.pop(1), run, lambda: fenced.append(2) or 0.0
     )
     assert run.held[1] == held and fenced == [1]
     assert not first.hold(
-        _detection(1, 1000.1 + LIMIT_S), run.held.pop(1), run, lambda: fenced.append(2)
+        _detection(1, 1000.1 + LIMIT_S), run.held.pop(1), run, lambda: fenced.append(2) or 0.0
     )
 
 
 def test_a_fenced_process_that_never_registered_is_held_without_the_wait_line(kv, tmp_path, caplog):
     first = _first(kv, tmp_path)
     run = _run()
-    assert first.hold(_detection(1, 5.0), None, run, lambda: None)
+    assert first.hold(_detection(1, 5.0), None, run, lambda: 0.0)
     assert 1 in run.held and "waits for them" not in caplog.text
 
 
