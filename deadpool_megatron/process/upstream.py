@@ -34,7 +34,7 @@ from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
 from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
-from ..runtime import ProcessEnv
+from ..runtime import ProcessEnv, freeze_imports
 from .exit_signal import ExitSignal
 from .session import ProtectedLoop, serving
 from .worker import Takeover, open_store, watch
@@ -87,6 +87,7 @@ class UpstreamSession(ProtectedLoop):
         takeover: Takeover | None = None,
         exit_signal: ExitSignal | None = None,
     ):
+        freeze_imports()  # Megatron-LM's pretrain_gpt.py has imported everything by now
         self.cfg = cfg
         self.env = env
         progress = ProgressBoard(env.progress_file)

@@ -30,14 +30,17 @@ def collect_left_behind(generation: int, retired: list[object], models: LeftBehi
     waits for an operation gloo never woke after the abort until the group's timeout
     (minutes), and inside a collection that wait would stop every later collection of the
     process with it (measured: a soak's process grew by 68 descriptors and 51 threads per
-    generation). A left model still alive after that is logged with what holds it."""
+    generation). The collection walks only what the job built: the imports were frozen out
+    of it (runtime.freeze_imports; some 430,000 objects under Megatron-LM, 0.23 s a walk).
+    A left model still alive after that is logged with what holds it."""
 
     def collect() -> None:
         t = time.perf_counter()
         found = free_generation(retired, gc.collect,
                                 lambda: bool(models.survivors(before=generation)))  # fmt: skip
-        log.info("generation %d: freed the previous generation (%d objects) in %.3f s",
-                 generation, found, time.perf_counter() - t)  # fmt: skip
+        log.info("generation %d: freed the previous generation (%d objects; %d of the "
+                 "imports left out) in %.3f s", generation, found, gc.get_freeze_count(),
+                 time.perf_counter() - t)  # fmt: skip
         for older, ref in models.survivors(before=generation).items():
             log.warning("generation %d: the model of generation %d outlived its collection "
                         "(its process groups stay open); held by: %s", generation, older,
