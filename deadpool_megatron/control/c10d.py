@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import keys
 from .etcd_store import EtcdKVStore
-from .store import StoreTimeout
+from .wait import wait_until
 
 ROOT = keys.C10D_ROOT
 POLL_FIRST_S = 0.002  # rendezvous keys usually appear within milliseconds
@@ -57,25 +57,23 @@ class EtcdC10dStore(dist.Store):
         return self._timeout_s if timeout is None else timeout.total_seconds()
 
     def _wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
-        deadline = time.monotonic() + timeout_s
         got: dict[str, bytes] = {}
-        pause = POLL_FIRST_S
-        while True:
+
+        def poll() -> dict[str, bytes] | None:
             for k in keys:
                 if k not in got:
                     value = self._kv.get(self._key(k))
                     if value is not None:
                         got[k] = value
-            if len(got) == len(keys):
-                return got
-            if time.monotonic() >= deadline:
-                missing = [k for k in keys if k not in got]
-                raise StoreTimeout(
-                    f"c10d keys {missing} did not appear in etcd at {self._kv.endpoint} within "
-                    f"{timeout_s:g} s"
-                )
-            time.sleep(pause)
-            pause = min(POLL_MAX_S, pause * 2)
+            return got if len(got) == len(keys) else None
+
+        def timed_out() -> str:
+            missing = [k for k in keys if k not in got]
+            return (f"c10d keys {missing} did not appear in etcd at {self._kv.endpoint} "
+                    f"within {timeout_s:g} s")  # fmt: skip
+
+        return wait_until(poll, timeout_s, "c10d keys", interval_s=POLL_FIRST_S,
+                          max_interval_s=POLL_MAX_S, timed_out=timed_out)  # fmt: skip
 
     # -- dist.Store ---------------------------------------------------------------------------
     def set(self, key: str, value) -> None:
@@ -143,14 +141,16 @@ class StoppableStore(dist.Store):
         self._sleep = sleep
 
     def _wait(self, keys: list[str], timeout_s: float) -> None:
-        deadline = self._clock() + timeout_s
-        pause = STOPPABLE_POLL_FIRST_S
-        while not self._inner.check(keys):
+        def poll() -> bool | None:
+            if self._inner.check(keys):
+                return True
             self._stop()
-            if self._clock() >= deadline:
-                raise StoreTimeout(f"c10d keys {keys} did not appear within {timeout_s:g} s")
-            self._sleep(pause)
-            pause = min(self._poll_max_s, pause * 2)
+            return None
+
+        wait_until(poll, timeout_s, "c10d keys", interval_s=STOPPABLE_POLL_FIRST_S,
+                   max_interval_s=self._poll_max_s, clock=self._clock, sleep=self._sleep,
+                   timed_out=lambda: f"c10d keys {keys} did not appear within {timeout_s:g} s",
+                   )  # fmt: skip
 
     # -- dist.Store ---------------------------------------------------------------------------
     def set(self, key: str, value) -> None:

@@ -23,16 +23,23 @@ def wait_until(
     what: str,
     *,
     interval_s: float = POLL_S,
+    max_interval_s: float | None = None,
+    timed_out: Callable[[], str] | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
     """The first non-None result of `poll`; raises StoreTimeout naming `what` after
-    `timeout_s` seconds (math.inf: wait for ever)."""
+    `timeout_s` seconds (math.inf: wait for ever), or saying `timed_out()` where given.
+    `max_interval_s`: the pause starts at `interval_s` and doubles up to it (a wait for what
+    usually comes within milliseconds, by many waiters on one store); None: it stays."""
     deadline = clock() + timeout_s
+    pause = interval_s
     while True:
         value = poll()
         if value is not None:
             return value
         if clock() > deadline:
-            raise StoreTimeout(f"{what}: not within {timeout_s:g} s")
-        sleep(interval_s)
+            raise StoreTimeout(timed_out() if timed_out else f"{what}: not within {timeout_s:g} s")
+        sleep(pause)
+        if max_interval_s is not None:
+            pause = min(max_interval_s, pause * 2)
