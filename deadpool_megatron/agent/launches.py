@@ -1,19 +1,22 @@
 """A launch of the job in its store, from its agents' start to their end: the store itself
 (node 0's TCPStore, or etcd), the job id its agents agree on, its claim on that id's keys in a
 store that outlives launches, the comparison of what each node was launched with before any
-process starts, and the deletion of the job's keys once it is over."""
+process starts, what the layout risks (said once), and the deletion of the job's keys once it
+is over."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
+import logging
+import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
 
-from ..agreement import refuse_unlike_launches
+from ..agreement import LAUNCH_SHAPE, refuse_unlike_launches
 from ..config import DeadpoolConfig
 from ..control import keys, messages
 from ..control.connect import control_store
@@ -24,6 +27,9 @@ from ..control.store import KVStore, StoreTimeout
 from ..control.tcp_store import TcpKVStore
 from ..control.wait import wait_until
 from ..errors import ConfigError, LaunchError
+from ..topology import Topology
+
+log = logging.getLogger("deadpool.launch")
 
 # How long node 0's agent, which may host the store, waits after refusing for the other
 # agents to have read every launch (they would find the store gone, not the reason).
@@ -139,3 +145,57 @@ def forget_job(kv: KVStore, jobs: list[str]) -> int:
         for prefix in (keys.job_prefix(job), keys.process_groups_prefix(job)):
             removed += kv.delete_prefix(prefix) or 0
     return removed
+
+
+def agree_on_launch(
+    ctx: JobContext,
+    args: argparse.Namespace,
+    flags: dict | None,
+    node_count: int,
+    timeout_s: float,
+    forget: Callable[[str], None] | None,
+) -> None:
+    """Every node's agent compares every node's launch before any process starts: a node
+    given other flags would build other process groups, load or train to another
+    iteration, and hang the job. Each agent refuses the same differences (exit 2);
+    node 0's then deletes the refused launch's keys with `forget` (etcd's; None: no keys
+    outlive the launch)."""
+    shape = {key: getattr(args, key) for key in LAUNCH_SHAPE}
+    shape["script"] = os.path.basename(shape["script"])  # mounted elsewhere on each node
+    mine = NodeLaunch(args.node_rank, socket.gethostname(), shape, flags)
+    try:
+        compared = compare_launches(ctx, mine, node_count, timeout_s)
+    except ConfigError:
+        if args.node_rank == 0 and forget is not None:
+            forget("was refused")
+        raise
+    if args.node_rank == 0:
+        log.info("job %s: its %d nodes were launched alike (%d training flags compared)",
+                 ctx.job, compared, len(flags or ()))  # fmt: skip
+
+
+def log_layout(
+    protection: DeadpoolConfig, node_count: int, store_at: str, topology: Topology
+) -> None:
+    """Once per job, by node 0: where the store lives, and what one node's loss would cost."""
+    if node_count == 1:
+        return
+    if protection.deadpool_store == "etcd":
+        log.info("the job's state is in etcd (%s): control records and every generation's "
+                 "process-group rendezvous; no node's loss takes it with it",
+                 protection.deadpool_etcd_endpoints)  # fmt: skip
+    else:
+        log.info(
+            "the job's TCPStore runs in node 0's agent (%s): if node 0 is lost, every other "
+            "agent stops its processes and the job ends (resubmit it with --load to resume "
+            "from the newest checkpoint under --save; --deadpool-store etcd keeps the job's "
+            "state off every node)", store_at,
+        )  # fmt: skip
+    if protection.deadpool:
+        bare = topology.unprotected_against_node_loss(protection.deadpool_replicas)
+        if bare:
+            log.warning(
+                "the optimizer shards of rank(s) %s and all their %d replica(s) share a "
+                "node: losing that node loses them (DP groups must span nodes, or raise "
+                "--deadpool-replicas)", bare, protection.deadpool_replicas,
+            )  # fmt: skip

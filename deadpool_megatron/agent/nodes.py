@@ -23,7 +23,10 @@ from dataclasses import dataclass
 
 from ..control import keys
 from ..control.context import JobContext
-from ..control.messages import AgentBeat, Heartbeat, RankLost
+from ..control.messages import AgentBeat, Flag, Heartbeat, RankLost
+from ..control.signed import job_secret, signed
+from ..control.tcp_store import TcpKVStore
+from ..events import NODE_LOST, EventLog
 from ..failure.heartbeat import HeartbeatSender
 
 log = logging.getLogger(__name__)
@@ -36,6 +39,43 @@ class Hosted:
     generation: int
     ranks: tuple[int, ...]
     spares: tuple[str, ...]
+
+
+def lease_context(ctx: JobContext, hosted_tcp_store: tuple[str, int] | None) -> JobContext:
+    """The lease thread's own line to the store: a connection of its own to the TCPStore
+    this agent hosts at `hosted_tcp_store` (the agent's main thread keeps the hosting one to
+    itself); etcd's client opens one per request anyway."""
+    if hosted_tcp_store is None:
+        return ctx
+    kv = TcpKVStore(*hosted_tcp_store, timeout_s=30.0)
+    return JobContext(signed(kv, job_secret()), ctx.job)
+
+
+def count_node_lost(
+    ctx: JobContext,
+    node: int,
+    beat: AgentBeat,
+    replaced_in: dict[int, int],
+    timeout_s: float,
+    events: EventLog,
+) -> list[int]:
+    """Count the node of `beat`, whose lease lapsed, lost, if this agent (of `node`) is the
+    first to (its flag's first writer): its spares leave the pool, and the ranks it still
+    held are returned; ranks a recovery has moved since its lease was written (`replaced_in`:
+    rank -> generation) are not its anymore. Counted by another agent: none, that agent
+    hot-swaps them."""
+    what = beat.holder
+    if not ctx.create(keys.node_lost(ctx.job, beat.node), Flag(f"node {node}")):
+        log.info("%s is lost (counted by another node's agent)", what)
+        return []
+    ranks = [r for r in beat.ranks if replaced_in.get(r, -1) <= beat.generation]
+    log.error("%s is lost: no lease renewal for %.1f s; it held rank(s) %s and spare(s) %s",
+              what, timeout_s, ranks, list(beat.spares))  # fmt: skip
+    events.emit(NODE_LOST, node=beat.node, ranks=ranks, spares=list(beat.spares),
+                last_lease=beat.at)  # fmt: skip
+    for sid in beat.spares:
+        ctx.kv.delete(keys.spare(ctx.job, sid))
+    return ranks
 
 
 class Lease:
@@ -237,7 +277,7 @@ class NodeWatch:
         lost = self.ctx.get(keys.rank_lost(self.ctx.job, generation, rank), RankLost)
         if lost is not None and not lost.finished:
             return lost.reason
-        for node, beat in self._lost.items():
+        for beat in self._lost.values():
             if rank in beat.ranks:
-                return f"node {node} (agent pid {beat.pid} on {beat.host}) is lost"
+                return f"{beat.holder} is lost"
         return None

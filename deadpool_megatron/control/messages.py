@@ -428,6 +428,11 @@ class AgentBeat(Record):
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "spares", tuple(str(s) for s in self.spares))
 
+    @property
+    def holder(self) -> str:
+        """The node and its agent, as the logs name them."""
+        return f"node {self.node} (agent pid {self.pid} on {self.host})"
+
 
 @dataclass(frozen=True)
 class RankLost(Record):

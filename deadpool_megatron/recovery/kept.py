@@ -40,7 +40,7 @@ def keep_or_build(
     group was for) and its hooks back, its build's collectives performed again if any rank
     builds; None if this rank must build (nothing kept, or it cannot be rebound or replayed).
 
-    `plan_builds`: the plan has a rank build (`stages.anyone_builds`); if it has none, the
+    `plan_builds`: the plan has a rank build (`plan.anyone_builds`); if it has none, the
     ranks agree over `host`, so every rank of the generation calls this, in the same place.
     `prebuilt`: the state is a spare's built while idle (for the log)."""
     state = None

@@ -14,6 +14,7 @@ fits every rank of the same coordinates (`fitting_ranks`).
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from ..topology import Topology
 
@@ -104,6 +105,46 @@ def spare_local_rank(slot: int, per_node: int, spare_node: bool) -> int:
     """The local rank (device) of a node's spare in `slot`, as the launcher starts them: a
     worker node's after its `per_node` workers, a spare node's from 0."""
     return slot if spare_node else per_node + slot
+
+
+@dataclass(frozen=True)
+class SpareNumbering:
+    """Every spare's index, unique across the job: each node numbers its spares in a block of
+    its own, as wide as the most spares any node has (a worker node's `spares`, a spare node's
+    `per_node`); a spare started later to refill a node's pool takes an index past every
+    block, the nodes taking turns."""
+
+    nnodes: int  # worker nodes
+    spare_nodes: int
+    per_node: int
+    spares: int  # a worker node's
+
+    @property
+    def node_count(self) -> int:
+        return self.nnodes + self.spare_nodes
+
+    @property
+    def slots(self) -> int:
+        return max(self.spares, self.per_node if self.spare_nodes else 0)
+
+    def started(self, node: int) -> int:
+        """How many spares `node` is launched with."""
+        return self.per_node if node >= self.nnodes else self.spares
+
+    def index(self, slot: int, node: int) -> int:
+        return node * self.slots + slot
+
+    def launched(self) -> dict[int, int]:
+        """Every spare the job is launched with: its index -> its node."""
+        return {
+            self.index(s, node): node
+            for node in range(self.node_count)
+            for s in range(self.started(node))
+        }
+
+    def first_refill(self, node: int) -> int:
+        """The index of `node`'s first refilling spare (its next: `node_count` on)."""
+        return self.node_count * self.slots + node
 
 
 def spare_slot(local_rank: int, per_node: int) -> int:

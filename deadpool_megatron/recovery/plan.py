@@ -190,3 +190,12 @@ def generation_problems(
         if tuple(coords) != (expected.tp, expected.pp, expected.dp):
             problems.append(f"rank {rank} holds coordinates {tuple(coords)}")
     return problems
+
+
+def anyone_builds(plan: RecoveryPlan, keep_model: bool) -> bool:
+    """Whether a rank of `plan` builds its model and optimizer anew (a rank that keeps its
+    own then performs its build's collectives again, to meet them): a spare that did not
+    build while idle, or every survivor when survivors do not keep theirs."""
+    spares_build = any(r not in plan.prebuilt for r in plan.replaced)
+    survivors_build = not keep_model and len(plan.replaced) < len(plan.membership.ranks)
+    return spares_build or survivors_build

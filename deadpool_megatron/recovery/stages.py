@@ -52,7 +52,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control import keys
 from ..control.context import JobContext
-from ..control.messages import HoldingsReport, Recovered
+from ..control.messages import HoldingsReport
 from ..errors import CheckpointError, ConfigError
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
@@ -66,6 +66,7 @@ from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
 from ..topology import Topology
 from .abort import CommunicatorAbort
+from .accounting import Lap, Resumed
 from .exchange import (
     RecoveryExchange,
     RecoveryFailed,
@@ -76,7 +77,7 @@ from .exchange import (
 from .held import Held
 from .kept import Kept, keep_or_build
 from .leftovers import LeftBehind
-from .plan import RecoveryPlan, check_plan, generation_problems
+from .plan import RecoveryPlan, anyone_builds, check_plan, generation_problems
 from .release import collect_left_behind
 from .transfer import transfer_state
 
@@ -95,22 +96,6 @@ class Rebuilt:
     host: dist.ProcessGroup  # parallel.host_group(): restore and verify move host memory on it
     phase_cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds of each phase
     start: int | None = None  # from the start: the iteration training starts from, found again
-
-
-class Lap:
-    """Wall and CPU seconds (this process, every thread) of one phase after another: what a
-    phase costs, apart from how long it waited for cores or for its peers."""
-
-    def __init__(self, cpu_clock: Callable[[], float]):
-        self._cpu_clock = cpu_clock
-        self._wall, self._cpu = time.perf_counter(), cpu_clock()
-
-    def record(self, phases: dict[str, float], phase_cpu: dict[str, float], name: str) -> None:
-        """Phase `name` ends now (its wall and CPU seconds go into the two); the next starts."""
-        wall, cpu = time.perf_counter(), self._cpu_clock()
-        phases[name] = wall - self._wall
-        phase_cpu[name] = cpu - self._cpu
-        self._wall, self._cpu = wall, cpu
 
 
 MakeTrainer = Callable[..., Trainer]  # (state, on_gpu[, iteration training starts from])
@@ -170,7 +155,7 @@ class ProcessRecovery:
         self.bytes_moved = 0
         self._failed_iteration = 0
         self._spent = 0  # the newest generation whose store prefix an attempt used
-        self._account: dict | None = None  # phases of a recovery awaiting its first iteration
+        self._resumed: Resumed | None = None  # a recovery awaiting its first iteration
         # Process groups of the generations left behind, released after the collection.
         self._retired: list[object] = []
         self.models = LeftBehind()  # each generation's model, to catch one that outlives it
@@ -486,8 +471,8 @@ class ProcessRecovery:
         self.active = False
         self.trained = self.trained or not plan.from_start
         phases = rebuilt.phases
-        self._account = {"phases": phases, "restored_at": time.time(), "groups": checked,
-                         "cpu": rebuilt.phase_cpu, "cpu_at": self._cpu_clock()}  # fmt: skip
+        self._resumed = Resumed(phases, rebuilt.phase_cpu, checked, time.time(),
+                                self._cpu_clock())  # fmt: skip
         log.info(
             "generation %d: %s iteration %d (%s), resuming", plan.generation,
             "set up again at" if plan.from_start else "rolled back to", iteration,
@@ -515,22 +500,11 @@ class ProcessRecovery:
         """Account for the first resumed iteration; drop buffers from before the failure
         once the new generation holds its own snapshot and every predecessor's replica."""
         self.trained = True
-        if self._account is not None:
-            now = time.time()
-            phases = dict(self._account["phases"])
-            phases["first_iteration"] = now - self._account["restored_at"]
-            # CPU seconds apart from wall time: on a machine with fewer cores than processes,
-            # wall time grows with the job for want of cores; CPU per process does not.
-            cpu_now = self._cpu_clock()
-            cpu_s = cpu_now - self._cpu_at
-            phase_cpu = {
-                **self._account["cpu"],
-                "first_iteration": cpu_now - self._account["cpu_at"],
-            }
-            record = Recovered(phases, now, trainer.iteration, self.bytes_moved,
-                               self._account["groups"], cpu_s, phase_cpu)  # fmt: skip
+        if self._resumed is not None:
+            record = self._resumed.recovered(trainer.iteration, self.bytes_moved, self._cpu_at,
+                                             time.time(), self._cpu_clock())  # fmt: skip
             self.ctx.put(keys.recovered(self.ctx.job, self.ctx.generation, self.env.rank), record)
-            self._account = None
+            self._resumed = None
             self.bytes_moved = 0
             self._collect_previous_generation()
         p = trainer.pipeline
@@ -540,12 +514,3 @@ class ProcessRecovery:
             )
             if protected:
                 self.held = Held()
-
-
-def anyone_builds(plan: RecoveryPlan, keep_model: bool) -> bool:
-    """Whether a rank of `plan` builds its model and optimizer anew (a rank that keeps its
-    own then performs its build's collectives again, to meet them): a spare that did not
-    build while idle, or every survivor when survivors do not keep theirs."""
-    spares_build = any(r not in plan.prebuilt for r in plan.replaced)
-    survivors_build = not keep_model and len(plan.replaced) < len(plan.membership.ranks)
-    return spares_build or survivors_build

@@ -1,5 +1,5 @@
 """A killed rank is seen exiting the moment the signal lands, not only once the kernel has
-torn its memory down and it can be reaped (procstate.exit_decided, agent.exit_seen)."""
+torn its memory down and it can be reaped (procstate.exit_decided, children.exit_seen)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from deadpool_megatron.agent.agent import exit_seen
+from deadpool_megatron.agent.children import exit_seen
 from deadpool_megatron.failure.procstate import PF_EXITING, exit_decided, exiting_status
 
 

@@ -2,10 +2,11 @@
 lease stops moving for the node timeout, never before its first lease; what it hosted is
 named; the hosting agent's word on a rank reaches a coordinator on another node."""
 
-from deadpool_megatron.agent.nodes import Hosted, Lease, NodeWatch
+from deadpool_megatron.agent.nodes import Hosted, Lease, NodeWatch, count_node_lost
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.messages import AgentBeat, Heartbeat, RankLost
+from deadpool_megatron.events import EventLog
 
 JOB = "nodes-test"
 
@@ -195,3 +196,17 @@ def test_before_the_job_is_up_a_lease_may_stand_still_for_the_start_up_timeout(k
         assert other.poll(up=True) == []
     clock.t += 0.01
     assert [b.node for b in other.poll(up=True)] == [1]
+
+
+def test_the_first_agent_to_count_a_node_lost_takes_its_ranks_and_drops_its_spares(kv):
+    ctx = JobContext(kv, JOB)
+    events = EventLog(None)
+    for sid in ("spare-4", "spare-5"):
+        kv.set(keys.spare(JOB, sid), b"{}")
+    beat = AgentBeat(1, "host1", 77, 9, 100.0, 2, ranks=(2, 3), spares=("spare-4",))
+    # rank 3 was moved to another node in generation 3, after this lease of generation 2
+    assert count_node_lost(ctx, 0, beat, {3: 3, 2: 1}, 2.0, events) == [2]
+    assert kv.get(keys.spare(JOB, "spare-4")) is None
+    assert kv.get(keys.spare(JOB, "spare-5")) is not None
+    assert count_node_lost(ctx, 2, beat, {}, 2.0, events) == []  # counted already
+    assert beat.holder == "node 1 (agent pid 77 on host1)"

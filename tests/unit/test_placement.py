@@ -4,7 +4,7 @@ local spare first, then a spare on a node that already runs ranks, spare nodes l
 
 import pytest
 
-from deadpool_megatron.recovery.placement import order_spares
+from deadpool_megatron.recovery.placement import SpareNumbering, order_spares
 
 # Worker nodes 0, 1, 2 (ranks 2n, 2n+1), one local spare each (spare-0, spare-2, spare-4);
 # spare node 3 with spare-6 and spare-7.
@@ -52,3 +52,23 @@ def test_without_a_node_with_room_for_all_the_lost_ranks_the_spare_node_goes_fir
 def test_every_free_spare_is_listed_once_after_the_seated_ones():
     order = order_spares({3: 1}, SPARES, set(), BUSY)
     assert order[0] == "spare-2" and sorted(order) == sorted(SPARES)
+
+
+@pytest.mark.parametrize(
+    "nnodes, spare_nodes, per_node, spares, launched, refill",
+    [
+        (1, 0, 4, 1, {0: 0}, [1]),  # one node, one spare; its refills 1, 2, ...
+        (2, 0, 4, 2, {0: 0, 1: 0, 2: 1, 3: 1}, [4, 5]),
+        # a spare node's block is as wide as a node: every node's is
+        (2, 1, 4, 1, {0: 0, 4: 1, 8: 2, 9: 2, 10: 2, 11: 2}, [12, 13, 14]),
+    ],
+)
+def test_spares_are_numbered_in_a_block_per_node_and_refills_past_every_block(
+    nnodes, spare_nodes, per_node, spares, launched, refill
+):
+    numbering = SpareNumbering(nnodes, spare_nodes, per_node, spares)
+    assert numbering.launched() == launched
+    assert [numbering.first_refill(n) for n in range(nnodes + spare_nodes)] == refill
+    # a node's next refill is node_count further on (Replenisher's stride): never a clash
+    firsts = set(refill)
+    assert not firsts & set(launched)

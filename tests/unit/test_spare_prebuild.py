@@ -27,7 +27,8 @@ from deadpool_megatron.recovery.placement import (
     spare_local_rank,
     spare_slot,
 )
-from deadpool_megatron.recovery.stages import ProcessRecovery, anyone_builds
+from deadpool_megatron.recovery.plan import anyone_builds
+from deadpool_megatron.recovery.stages import ProcessRecovery
 from deadpool_megatron.runtime import ProcessEnv
 from deadpool_megatron.topology import Topology
 from jobs import ROOT

@@ -29,9 +29,9 @@ from deadpool_megatron.control.messages import (
 from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.process.watcher import OrderWatcher
+from deadpool_megatron.recovery.accounting import Lap, Resumed
 from deadpool_megatron.recovery.release import free_generation, release_groups
 from deadpool_megatron.recovery.stages import (
-    Lap,
     ProcessRecovery,
     RecoveryFailed,
     RecoveryOrdered,
@@ -189,8 +189,7 @@ class Scripted(ProcessRecovery):
     def complete(self, plan, rebuilt):
         self.ctx.advance(plan.generation)
         self.active = False
-        self._account = {"phases": {"verify": 0.1}, "restored_at": 0.0, "groups": None,
-                         "cpu": {"verify": 0.25}, "cpu_at": 11.0}  # fmt: skip
+        self._resumed = Resumed({"verify": 0.1}, {"verify": 0.25}, None, 0.0, 11.0)
 
 
 def test_a_failed_attempt_waits_for_a_newer_order_and_never_reuses_its_generation(kv):
