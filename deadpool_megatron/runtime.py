@@ -109,12 +109,26 @@ def write_preflight(cfg) -> None:
             )
 
 
+_FORKS_FREEZE = False
+
+
 def freeze_imports() -> None:
     """Leave everything alive now (torch's and megatron-core's modules, functions and tables:
     some 400,000 objects) out of every later garbage collection, so that the full collection
     after a recovery walks only what the job built since. Call once the imports are done and
-    before any model is built (a frozen object is never collected)."""
+    before any model is built (a frozen object is never collected).
+
+    And a child this process forks without exec (a DataLoader worker) freezes all it
+    inherits: the previous generation's garbage, not yet collected here, is not the child's
+    to collect. Collected there, a left data iterator's finalizer shut down workers that are
+    not the child's, and the child died of a segmentation fault (patched Megatron-LM, a
+    pretrain() run again from the start: 4 runs of 4, once its flag parsing no longer
+    allocated enough to set off a collection in the parent before the fork)."""
+    global _FORKS_FREEZE
     gc.freeze()
+    if not _FORKS_FREEZE:
+        os.register_at_fork(after_in_child=gc.freeze)
+        _FORKS_FREEZE = True
 
 
 PR_SET_PDEATHSIG = 1

@@ -300,7 +300,9 @@ class UpstreamSession(ProtectedLoop):
 def become_worker(
     pretrain: Callable, args: tuple, kwargs: dict, cfg: JobConfig
 ) -> Callable[[ProcessEnv, Takeover, ExitSignal | None], int]:
-    """A claimed spare's way into pretrain(): as the rank it replaces (Megatron-LM reads RANK)."""
+    """A claimed spare's way into pretrain(): as the rank it replaces (Megatron-LM reads RANK).
+    Built as the spare starts, which builds Megatron-LM's parser meanwhile, before it idles."""
+    upstream.warm_argument_parser()
 
     def become(env: ProcessEnv, takeover: Takeover, exit_signal: ExitSignal | None) -> int:
         import os
@@ -318,6 +320,8 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     preflight, wait as a spare, or train as a worker; returns the exit status."""
     from ..errors import ConfigError
     from .entry import run_process
+
+    upstream.cache_field_docstrings()  # every pretrain() of this process parses its flags twice
 
     def parse(env: ProcessEnv) -> JobConfig:
         if not (env.under_launcher or env.preflight):

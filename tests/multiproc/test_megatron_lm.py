@@ -132,6 +132,38 @@ def test_upstream_pretrain_gpt_hot_swaps_a_killed_rank_bitwise(megatron_lm, fail
     assert killed_final["state_digest"] == final["state_digest"]
 
 
+PARSER_CHECK = """
+import argparse, inspect
+from deadpool_megatron.megatron import upstream
+from megatron.training import arguments
+
+def build():
+    return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+uncached = build().format_help()
+read = []
+source = inspect.getsource
+inspect.getsource = lambda obj: (read.append(obj), source(obj))[1]
+assert upstream.cache_field_docstrings() and upstream.cache_field_docstrings()
+first = build().format_help()
+classes = len(read)
+again = build().format_help()
+assert classes > 0 and len(read) == classes, (classes, len(read))
+assert first == uncached and again == uncached
+print("read", classes, "sources once")
+"""
+
+
+def test_megatron_lm_parser_reads_its_config_sources_once_with_the_same_help(megatron_lm):
+    # Megatron-LM's parse_args reads and parses its config dataclasses' sources for their
+    # help texts at every call, twice per pretrain(): once per class per process now, the
+    # parser's help (and so every flag) unchanged.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", PARSER_CHECK], cwd=megatron_lm, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "sources once" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("spec", ["kill@1:0:setup", "raise@2:0:setup", "kill@1:0:groups"])
 def test_upstream_failure_during_the_set_up_sets_every_rank_up_again_bitwise(
     megatron_lm, failure_free, tmp_path, spec
