@@ -29,7 +29,7 @@ from ..control.tcp_store import TcpKVStore
 from ..events import NODE_LOST, EventLog
 from ..failure.heartbeat import HeartbeatSender
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("deadpool.launch")
 
 
 @dataclass(frozen=True)

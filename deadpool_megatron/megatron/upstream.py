@@ -150,6 +150,32 @@ def cache_field_docstrings() -> bool:
     return True
 
 
+def print_arguments_once() -> None:
+    """Megatron-LM's validate_args prints every argument (some 700 lines, on rank 0) at each
+    pretrain(); one run again for a recovery parses the same command line, so it prints its
+    table once per process, and one line says so after that. Calling it again changes
+    nothing; without Megatron-LM's `_print_args` it does nothing."""
+    from megatron.training import arguments
+
+    own = getattr(arguments, "_print_args", None)
+    if own is None or getattr(own, "_deadpool_once", False):
+        return
+    printed: set[str] = set()
+
+    def once(title: str, args) -> None:
+        if title not in printed:
+            printed.add(title)
+            own(title, args)
+            return
+        from megatron.training.utils import is_rank0
+
+        if is_rank0():
+            log.info("Megatron-LM's %s: as printed at this process's first pretrain()", title)
+
+    once._deadpool_once = True
+    arguments._print_args = once
+
+
 def warm_argument_parser() -> None:
     """Build Megatron-LM's parser once, parsing nothing, so that the help texts are cached
     (cache_field_docstrings) before a recovery: an idle spare does it, whose pretrain() would

@@ -322,6 +322,7 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     from .entry import run_process
 
     upstream.cache_field_docstrings()  # every pretrain() of this process parses its flags twice
+    upstream.print_arguments_once()
 
     def parse(env: ProcessEnv) -> JobConfig:
         if not (env.under_launcher or env.preflight):
