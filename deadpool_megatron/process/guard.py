@@ -112,7 +112,8 @@ class Guard:
         """Without --deadpool there is nothing to recover from: report what this process saw,
         stay alive and healthy, and let the agent end the job."""
         self.report(err)
-        log.error("training failed: %s: %s; reported to the agent", type(err).__name__, err)
+        log.error("training failed: %s: %s; reported to the agent", type(err).__name__, err,
+                  exc_info=err)  # where it failed: nothing recovers it to tell  # fmt: skip
         time.sleep(self.cfg.deadpool.deadpool_heartbeat_timeout + 30.0)
         return 1
 

@@ -26,6 +26,10 @@ import pytest
 from deadpool_megatron.metrics import read_metrics
 from jobs import JOB_TIMEOUT_S, ROOT
 
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_megatron_lm import python_first  # noqa: E402
+
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
 
 TAG = "core_v0.16.1"
@@ -42,21 +46,6 @@ MODEL = shlex.split(
     "--deadpool-heartbeat-interval 0.5 --deadpool-heartbeat-timeout 2.0"
 )
 NEEDED = ("six", "regex", "pydantic", "pybind11", "triton")
-
-
-def _this_python_first(where: Path) -> str:
-    """A PATH whose `python3` and `python3-config` are this interpreter's: Megatron-LM's rank 0
-    runs its dataset helper's Makefile, which asks them, and Megatron-LM's `.python-version`
-    (3.12) would make a pyenv shim answer for another Python."""
-    bin_dir = where / "bin"
-    if not bin_dir.exists():
-        bin_dir.mkdir()
-        (bin_dir / "python3").symlink_to(sys.executable)
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        config = Path(sys.base_prefix) / "bin" / f"python{version}-config"
-        if config.exists():
-            (bin_dir / "python3-config").symlink_to(config)
-    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +82,7 @@ def _run(checkout: Path, tmp_path: Path, name: str, extra: list[str]) -> tuple[d
         "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
         *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": _this_python_first(checkout.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(checkout.parent)}
     done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
     output = done.stdout + done.stderr
@@ -236,7 +225,7 @@ def _signalled_run(
         "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
         "--exit-signal-handler", "--save", str(save), "--save-interval", "100", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": _this_python_first(checkout.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(checkout.parent)}
     log = tmp_path / "signalled.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=out,

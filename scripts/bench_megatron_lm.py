@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Patched Megatron-LM's hot-swap, measured: time lost per failure and the recovery's phases.
+
+Megatron-LM's own pretrain_gpt.py (the Megatron-LM test's small GPT on mock data: 2 layers,
+hidden 64, PP2 x DP2 on 4 processes, a spare, 12 iterations, CPU/gloo) runs under
+deadpool-launch failure-free and with rank --victim killed as iteration --fail-at starts,
+alternating, --repeats times each. A checkout given as a git repository (a clone, or the
+mirror of `fetch github:NVIDIA/Megatron-LM`) is cloned at core_v0.16.1 into the work folder
+and patched by scripts/apply_megatron_patch.sh; a folder that is already patched is used
+as it is.
+
+Time lost per failure is measured as in scripts/bench_recovery.py: a run's span (first
+iteration's finish to last iteration's finish) minus the iterations that count, the failure
+run's minus its failure-free twin's. The recovery and its phases come from the event log
+(failure to first resumed iteration). Every failure run's final state digest must equal the
+failure-free run's, or the script fails.
+
+The baseline is each failure run's failure-free twin, run beside it. A restart baseline
+(torchrun, or deadpool-launch --restart-policy full, with Megatron-LM's --load) cannot run on
+this CPU machine: without DeadPool's session nothing routes Megatron-LM's CUDA calls to the
+CPU, and with it megatron-core's DistributedOptimizer without Apex or Transformer Engine
+fails Megatron-LM's --load (README, "Known limitations").
+
+Writes JSON; the last line printed is one JSON object: {"recovery_s" (median),
+"recovery_runs_s", "lost_s" (median), "lost_runs_s", "phases" (median per phase),
+"iteration_s", "bitwise": true, "repeats", "wall_s"}.
+
+    python scripts/bench_megatron_lm.py --megatron-lm /path/to/Megatron-LM --repeats 3
+    python scripts/bench_megatron_lm.py --megatron-lm DIR --data-cache-path  # indexes cached
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_recovery import HOTSWAP_PHASES, breakdown_hotswap  # noqa: E402
+from results_path import results_file  # noqa: E402
+
+from deadpool_megatron.events import read_events  # noqa: E402
+
+TAG = "core_v0.16.1"
+ITERS = 12
+MODEL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 "
+    f"--train-iters {ITERS} --lr 1e-3 --mock-data --tokenizer-type NullTokenizer "
+    "--vocab-size 1024 --split 100,0,0 --distributed-backend gloo --transformer-impl local "
+    "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
+    "--use-cpu-initialization --use-distributed-optimizer --attention-dropout 0 "
+    "--hidden-dropout 0 --eval-iters 0 --eval-interval 1000 --log-interval 1 "
+    "--pipeline-model-parallel-size 2 --deadpool --deadpool-heartbeat-interval 0.5 "
+    "--deadpool-heartbeat-timeout 2.0"
+).split()
+NPROC = 4
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--megatron-lm", required=True, metavar="DIR",
+                   help=f"a Megatron-LM checkout or mirror (git: {TAG} is cloned and patched)")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=3, help="jobs of each kind (default 3)")
+    p.add_argument("--victim", type=int, default=1, help="rank killed (default 1)")
+    p.add_argument("--fail-at", type=int, default=6, help="iteration it dies in (default 6)")
+    p.add_argument("--data-cache-path", action="store_true",
+                   help="give the jobs a --data-cache-path, so pretrain() run again reads the "
+                        "datasets' indexes back instead of building them")  # fmt: skip
+    p.add_argument("--workdir", default=None, help="where the jobs run (default: a temp dir)")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_megatron_lm.json"),
+                   type=results_file)  # fmt: skip
+    a = p.parse_args(argv)
+    if not Path(a.megatron_lm, "pretrain_gpt.py").exists() and not _is_git(a.megatron_lm):
+        p.error(f"--megatron-lm {a.megatron_lm}: neither a Megatron-LM checkout (no "
+                "pretrain_gpt.py) nor a git repository to clone one from")  # fmt: skip
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats} must be 1 or more")
+    if not 1 < a.fail_at <= ITERS:
+        p.error(f"--fail-at {a.fail_at} must lie in [2, {ITERS}]")
+    if not 0 <= a.victim < NPROC:
+        p.error(f"--victim {a.victim} must be a rank in [0, {NPROC - 1}]")
+    return a
+
+
+def _is_git(path: str) -> bool:
+    done = subprocess.run(["git", "-C", path, "rev-parse", "--git-dir"], capture_output=True)
+    return done.returncode == 0
+
+
+def patched_checkout(source: str, workdir: Path) -> Path:
+    """The checkout the jobs run in: `source` itself when it holds pretrain_gpt.py patched
+    already, else TAG cloned from it into `workdir` and patched."""
+    if Path(source, "pretrain_gpt.py").exists():
+        if "deadpool_hooks" in Path(source, "pretrain_gpt.py").read_text():
+            return Path(source)
+        if not _is_git(source):
+            raise SystemExit(f"{source} is not patched; run scripts/apply_megatron_patch.sh")
+    checkout = workdir / "Megatron-LM"
+    if not checkout.exists():
+        subprocess.run(["git", "clone", "-q", "--branch", TAG, source, str(checkout)], check=True)
+        done = subprocess.run(["bash", str(ROOT / "scripts" / "apply_megatron_patch.sh"),
+                               str(checkout)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"patching {checkout} failed:\n{done.stdout}{done.stderr}")
+    return checkout
+
+
+def python_first(where: Path) -> str:
+    """A PATH whose `python3` and `python3-config` are this interpreter's: Megatron-LM's rank 0
+    runs its dataset helper's Makefile, which asks them, and Megatron-LM's `.python-version`
+    (3.12) would make a pyenv shim answer for another Python."""
+    bin_dir = where / "bin"
+    if not bin_dir.exists():
+        bin_dir.mkdir(parents=True)
+        (bin_dir / "python3").symlink_to(sys.executable)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        config = Path(sys.base_prefix) / "bin" / f"python{version}-config"
+        if config.exists():
+            (bin_dir / "python3-config").symlink_to(config)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def run_job(a, checkout: Path, workdir: Path, name: str, failure: bool) -> dict:
+    """One job; its metrics and events, analysed."""
+    out = workdir / name
+    out.mkdir(parents=True, exist_ok=True)
+    metrics, events = out / "metrics.jsonl", out / "events.jsonl"
+    for f in (metrics, events):
+        f.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(NPROC),
+           "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
+           "--deadpool-event-log", str(events)]  # fmt: skip
+    if failure:
+        cmd += ["--deadpool-inject", f"kill@{a.victim}:{a.fail_at}"]
+    if a.data_cache_path:
+        cmd += ["--data-cache-path", str(workdir / "data-cache")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(workdir)}
+    done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    (out / "job.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {done.returncode}); see {out / 'job.log'}")
+    return analyse([json.loads(x) for x in metrics.read_text().splitlines() if x.strip()],
+                   read_events(str(events)) if events.exists() else [])  # fmt: skip
+
+
+def analyse(records: list[dict], events: list[dict]) -> dict:
+    """A job's span minus the iterations that count (each iteration's last run), its median
+    iteration, its final digest, and, after a failure, the recovery's phases."""
+    its = [r for r in records if "iteration" in r and "lm_loss" in r]
+    last = {r["iteration"]: r for r in its}  # later lines win: a replayed iteration's last run
+    first_done = min(r["time"] for r in its if r["iteration"] == 1)
+    span = max(r["time"] for r in its) - first_done
+    useful = sum(r["iteration_ms"] for i, r in last.items() if i > 1) / 1000.0
+    iter_s = statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0
+    final = next(r for r in records if r.get("event") == "final")
+    out = {"unexplained_s": span - useful, "iteration_s": iter_s,
+           "digest": final["state_digest"], "losses": {i: r["lm_loss"] for i, r in last.items()}}  # fmt: skip
+    if any(e["event"] == "recovery_done" for e in events):
+        ms = {i: r["iteration_ms"] for i, r in last.items()}
+        out["recovery"] = breakdown_hotswap(events, iter_s, ms)
+    return out
+
+
+def summarize(pairs: list[tuple[dict, dict]]) -> dict:
+    """Per failure run and its failure-free twin: time lost and the recovery; medians."""
+    for free, failed in pairs:
+        if failed["digest"] != free["digest"] or failed["losses"] != free["losses"]:
+            raise SystemExit("a failure run did not end bitwise equal to the failure-free run")
+    lost = [failed["unexplained_s"] - free["unexplained_s"] for free, failed in pairs]
+    recoveries = [failed["recovery"]["recovery_total_s"] for _, failed in pairs]
+    phases = {k: round(statistics.median(f["recovery"][k] for _, f in pairs), 3)
+              for k in HOTSWAP_PHASES}  # fmt: skip
+    return {
+        "recovery_s": round(statistics.median(recoveries), 3),
+        "recovery_runs_s": [round(r, 3) for r in recoveries],
+        "lost_s": round(statistics.median(lost), 3),
+        "lost_runs_s": [round(x, 3) for x in lost],
+        "phases": phases,
+        "iteration_s": round(statistics.median(f["iteration_s"] for f, _ in pairs), 3),
+        "bitwise": True,
+        "repeats": len(pairs),
+    }
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="bench_megatron_lm_"))
+    checkout = patched_checkout(a.megatron_lm, workdir)
+    pairs = []
+    started = time.time()
+    for n in range(a.repeats):
+        free = run_job(a, checkout, workdir, f"free_{n}", failure=False)
+        failed = run_job(a, checkout, workdir, f"failure_{n}", failure=True)
+        r = failed["recovery"]
+        print(f"run {n + 1}/{a.repeats}: recovered in {r['recovery_total_s']:.2f} s ("
+              + ", ".join(f"{k} {r[k]:.3f}" for k in HOTSWAP_PHASES)
+              + f"), lost {failed['unexplained_s'] - free['unexplained_s']:.2f} s, "
+              f"iteration {free['iteration_s'] * 1e3:.0f} ms", flush=True)  # fmt: skip
+        pairs.append((free, failed))
+    result = summarize(pairs)
+    result["wall_s"] = round(time.time() - started, 1)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
