@@ -191,9 +191,12 @@ def test_a_spare_withdraws_or_is_claimed_never_both(connect, job):
     assert members.claimable("spare-1", 0, "node 0")  # still this claimer's
     assert not members.claimable("spare-1", 0, "node 1")
     assert not members.claimable("spare-1", 1, "node 0")
+    # Each claimer its own (one claimer asking again is told yes: with one name for all, a
+    # claim that came first made every claimer's True, and the test failed whenever a claim
+    # won the race).
     racers = race(connect, lambda c, i: (
         MembershipStore(c, job).withdraw_spare("spare-2") if i % 2
-        else MembershipStore(c, job).claim_spare("spare-2", 0, "node 0", joined=("spare-2",))
+        else MembershipStore(c, job).claim_spare("spare-2", 0, f"node {i}", joined=("spare-2",))
     ))  # fmt: skip
     assert sum(racers) == 1, racers
 
