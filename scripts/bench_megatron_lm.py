@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_recovery import HOTSWAP_PHASES, breakdown_hotswap  # noqa: E402
+from bench_recovery import HOTSWAP_PHASES, breakdown_hotswap, read_run  # noqa: E402
 from results_path import results_file  # noqa: E402
 
 from deadpool_megatron.events import read_events  # noqa: E402
@@ -157,20 +157,11 @@ def run_job(a, checkout: Path, workdir: Path, name: str, failure: bool) -> dict:
 
 
 def analyse(records: list[dict], events: list[dict]) -> dict:
-    """A job's span minus the iterations that count (each iteration's last run), its median
-    iteration, its final digest, and, after a failure, the recovery's phases."""
-    its = [r for r in records if "iteration" in r and "lm_loss" in r]
-    last = {r["iteration"]: r for r in its}  # later lines win: a replayed iteration's last run
-    first_done = min(r["time"] for r in its if r["iteration"] == 1)
-    span = max(r["time"] for r in its) - first_done
-    useful = sum(r["iteration_ms"] for i, r in last.items() if i > 1) / 1000.0
-    iter_s = statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0
-    final = next(r for r in records if r.get("event") == "final")
-    out = {"unexplained_s": span - useful, "iteration_s": iter_s,
-           "digest": final["state_digest"], "losses": {i: r["lm_loss"] for i, r in last.items()}}  # fmt: skip
+    """A job as bench_recovery.read_run reads it, and, after a failure, the recovery's
+    phases."""
+    out = read_run(records)
     if any(e["event"] == "recovery_done" for e in events):
-        ms = {i: r["iteration_ms"] for i, r in last.items()}
-        out["recovery"] = breakdown_hotswap(events, iter_s, ms)
+        out["recovery"] = breakdown_hotswap(events, out["iteration_s"], out["iteration_ms"])
     return out
 
 

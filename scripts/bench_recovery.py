@@ -186,19 +186,24 @@ def run(a, hidden: int, mode: str, workdir: Path) -> dict:
         if done.returncode != 0:
             raise SystemExit(f"{mode} job (hidden {hidden}) failed; see {workdir / 'job.log'}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {**read_run(records), "wall_s": time.time() - start,
+            "events": read_events(str(events)) if events.exists() else []}  # fmt: skip
+
+
+def read_run(records: list[dict]) -> dict:
+    """A job's metrics records: its span (first iteration's finish to last iteration's
+    finish), what of it the iterations that count did not fill, its median iteration, each
+    iteration's duration, loss and final digest (a replayed iteration's last run counts)."""
     its = [r for r in records if "iteration" in r and "lm_loss" in r]
-    last = {}
-    for r in its:  # later lines win: a replayed iteration's last run counts
-        last[r["iteration"]] = r
+    last = {r["iteration"]: r for r in its}  # later lines win
     first_done = min(r["time"] for r in its if r["iteration"] == 1)
     span = max(r["time"] for r in its) - first_done
     useful = sum(r["iteration_ms"] for i, r in last.items() if i > 1) / 1000.0
-    iter_s = statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0
     final = next(r for r in records if r.get("event") == "final")
-    return {"span_s": span, "unexplained_s": span - useful, "iteration_s": iter_s,
+    return {"span_s": span, "unexplained_s": span - useful,
+            "iteration_s": statistics.median(r["iteration_ms"] for r in last.values()) / 1000.0,
             "iteration_ms": {i: r["iteration_ms"] for i, r in last.items()},
-            "wall_s": time.time() - start,
-            "events": read_events(str(events)) if events.exists() else [],
+            "losses": {i: r["lm_loss"] for i, r in last.items()},
             "digest": final["state_digest"]}  # fmt: skip
 
 

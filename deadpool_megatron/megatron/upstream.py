@@ -132,22 +132,18 @@ def cache_field_docstrings() -> bool:
     Megatron-LM has no such method (nothing to cache); calling it again changes nothing."""
     from megatron.training import argument_utils
 
+    def cache(own: Callable) -> Callable:
+        texts: dict[type, dict[str, str]] = {}
+
+        def cached(self, src_cfg_class: type) -> dict[str, str]:
+            if src_cfg_class not in texts:
+                texts[src_cfg_class] = own(self, src_cfg_class)
+            return dict(texts[src_cfg_class])  # the caller's to change
+
+        return cached
+
     factory = getattr(argument_utils, "ArgumentGroupFactory", None)
-    own = getattr(factory, "_get_field_docstrings", None)
-    if own is None:
-        return False
-    if getattr(own, "_deadpool_cached", False):
-        return True
-    texts: dict[type, dict[str, str]] = {}
-
-    def cached(self, src_cfg_class: type) -> dict[str, str]:
-        if src_cfg_class not in texts:
-            texts[src_cfg_class] = own(self, src_cfg_class)
-        return dict(texts[src_cfg_class])  # the caller's to change
-
-    cached._deadpool_cached = True
-    factory._get_field_docstrings = cached
-    return True
+    return _replace_once(factory, "_get_field_docstrings", cache)
 
 
 def print_arguments_once() -> None:
@@ -157,23 +153,36 @@ def print_arguments_once() -> None:
     nothing; without Megatron-LM's `_print_args` it does nothing."""
     from megatron.training import arguments
 
-    own = getattr(arguments, "_print_args", None)
-    if own is None or getattr(own, "_deadpool_once", False):
-        return
-    printed: set[str] = set()
+    def once(own: Callable) -> Callable:
+        printed: set[str] = set()
 
-    def once(title: str, args) -> None:
-        if title not in printed:
-            printed.add(title)
-            own(title, args)
-            return
-        from megatron.training.utils import is_rank0
+        def print_args(title: str, args) -> None:
+            if title not in printed:
+                printed.add(title)
+                own(title, args)
+                return
+            from megatron.training.utils import is_rank0
 
-        if is_rank0():
-            log.info("Megatron-LM's %s: as printed at this process's first pretrain()", title)
+            if is_rank0():
+                log.info("Megatron-LM's %s: as printed at this process's first pretrain()",
+                         title)  # fmt: skip
 
-    once._deadpool_once = True
-    arguments._print_args = once
+        return print_args
+
+    _replace_once(arguments, "_print_args", once)
+
+
+def _replace_once(owner: object, name: str, make: Callable[[Callable], Callable]) -> bool:
+    """Put `make(original)` in place of `owner.name`, once however often it is asked; False
+    where this Megatron-LM has no such attribute (nothing replaced)."""
+    own = getattr(owner, name, None)
+    if own is None:
+        return False
+    if not getattr(own, "_deadpool_replaced", False):
+        replacement = make(own)
+        replacement._deadpool_replaced = True
+        setattr(owner, name, replacement)
+    return True
 
 
 def warm_argument_parser() -> None:
