@@ -6,7 +6,9 @@ to leave deletes the job's keys. The agent decides what follows (agent.Agent.fin
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..control import keys
 from ..control.context import JobContext
@@ -34,6 +36,8 @@ class Ending:
     restarts: int  # this start's count
     hosts_store: bool  # node 0's TCPStore: every other agent reads it until it has left
     outlives: bool  # etcd: the job's keys outlive every agent unless deleted
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
     def wait(self, workers: dict[int, Child]) -> Flag | RestartOrder | PlanDecision:
         """Count this node's ranks done (whoever completes the count says the job finished)
@@ -50,7 +54,7 @@ class Ending:
             return self.ctx.get(finished, Flag) or order or self._answer_late(workers, told)
 
         return wait_until(poll, FINISH_TIMEOUT_S, "every node's workers to succeed",
-                          interval_s=0.2)  # fmt: skip
+                          interval_s=0.2, clock=self.clock, sleep=self.sleep)  # fmt: skip
 
     def _answer_late(self, workers: dict[int, Child], told: set[int]) -> PlanDecision | None:
         """While this node waits for the others to finish: a recovery ordered since (a rank
@@ -76,8 +80,8 @@ class Ending:
         """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent
         still reads the store until it has seen the job finish). In etcd, the last agent to
         leave deletes the job's keys: nothing else reads them, and a finished job leaves
-        nothing behind in a store that serves job after job. An etcd agent stops its lease
-        first: no renewal may write its key back after the deletion."""
+        nothing behind in a store that serves job after job. In etcd the caller stops its
+        lease before this: no renewal may write its key back after the deletion."""
         kv = self.ctx.kv
         left = kv.add(keys.agents_left(self.ctx.job), 1)
         expected = self.node_count - lost_nodes
@@ -90,7 +94,7 @@ class Ending:
         try:
             wait_until(lambda: left >= expected or kv.add(keys.agents_left(self.ctx.job), 0)
                        >= expected or None, AGENTS_LEAVE_S, "every agent to leave",
-                       interval_s=0.05)  # fmt: skip
+                       interval_s=0.05, clock=self.clock, sleep=self.sleep)  # fmt: skip
         except StoreTimeout as err:
             log.warning("%s; closing the store anyway", err)
 

@@ -10,7 +10,9 @@ import threading
 import time
 from types import SimpleNamespace
 
-from deadpool_megatron.agent.ending import Ending
+import pytest
+
+from deadpool_megatron.agent.ending import AGENTS_LEAVE_S, FINISH_TIMEOUT_S, Ending
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.etcd_store import EtcdKVStore
@@ -21,6 +23,7 @@ from deadpool_megatron.control.messages import (
     RecoveryOrder,
     RestartOrder,
 )
+from deadpool_megatron.control.store import StoreTimeout
 
 JOB = "ending-test"
 
@@ -81,6 +84,29 @@ def test_node_0_hosting_the_store_leaves_after_every_other_agent(kv):
     # a lost node is not waited for
     alone = JobContext(kv, JOB + "-lost")
     _ending(alone, 0).leave(lost_nodes=1)
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_the_waits_give_up_at_their_limits_on_the_clock_they_are_given(kv, caplog):
+    ctx = JobContext(kv, JOB)
+    clock = FakeClock()
+    with pytest.raises(StoreTimeout, match="every node's workers to succeed"):
+        _ending(ctx, 0, clock=clock, sleep=clock.sleep).wait(_workers(0, 1))
+    assert FINISH_TIMEOUT_S < clock.t < FINISH_TIMEOUT_S + 1
+    clock.t = 0.0
+    _ending(ctx, 0, clock=clock, sleep=clock.sleep).leave(0)  # node 1 never leaves
+    assert AGENTS_LEAVE_S < clock.t < AGENTS_LEAVE_S + 1
+    assert "closing the store anyway" in caplog.text
 
 
 def test_in_etcd_the_last_agent_to_leave_deletes_the_jobs_keys(etcd_url):
