@@ -328,26 +328,30 @@ def restore_adam_step(optimizer, loaded: dict) -> None:
     megatron-core's DistributedOptimizer.load_state_dict puts ONE shared `step` tensor into
     every parameter's state, which torch's AdamW then increments once per parameter per step,
     so the run silently diverges (FIELD-NOTES); and the in-place copies of the per-parameter
-    state can leave the pre-load value in it. The step saved in the param groups is the truth;
-    torch's AdamW never reads it there, so it is dropped again (a run resumed from a checkpoint
-    holds the same param groups as one that never stopped).
+    state can leave the pre-load value in it. The step saved in the param groups is the truth
+    (`own_adam_steps`).
     """
     inner = inner_optimizers(optimizer)
     per_optimizer = [loaded] if len(inner) == 1 else [loaded[i] for i in range(len(inner))]
     for megatron_opt, saved in zip(inner, per_optimizer):
-        groups = saved.get("optimizer", {}).get("param_groups", [])
-        steps = {g["step"] for g in groups if "step" in g}
-        if not steps:  # TE/apex FusedAdam keeps its step in the param groups itself
-            continue
-        if len(steps) != 1:
-            raise CheckpointError(
-                f"checkpoint param groups disagree on the optimizer step: {steps}"
-            )
-        step = float(steps.pop())
-        torch_opt = megatron_opt.optimizer
-        for param_state in torch_opt.state.values():
-            if "step" in param_state:
-                param_state["step"] = torch.tensor(step, dtype=torch.float32)
-        if any("step" in s for s in torch_opt.state.values()):
-            for group in torch_opt.param_groups:  # the checkpoint format's copy, not state
-                group.pop("step", None)
+        own_adam_steps(megatron_opt.optimizer, saved.get("optimizer", {}).get("param_groups", []))
+
+
+def own_adam_steps(torch_opt: torch.optim.Optimizer, saved_groups: list[dict]) -> None:
+    """Set each parameter's `step` in a torch Adam/AdamW's state to its own tensor holding the
+    step that a DistributedOptimizer checkpoint's param groups (`saved_groups`) carry. torch's
+    AdamW never reads the step there, so it is dropped again from the live groups (a run
+    resumed from a checkpoint holds the same param groups as one that never stopped). Nothing
+    to do where the groups carry no step (TE/apex FusedAdam keeps its own there)."""
+    steps = {g["step"] for g in saved_groups if "step" in g}
+    if not steps:
+        return
+    if len(steps) != 1:
+        raise CheckpointError(f"checkpoint param groups disagree on the optimizer step: {steps}")
+    step = float(steps.pop())
+    for param_state in torch_opt.state.values():
+        if "step" in param_state:
+            param_state["step"] = torch.tensor(step, dtype=torch.float32)
+    if any("step" in s for s in torch_opt.state.values()):
+        for group in torch_opt.param_groups:  # the checkpoint format's copy, not state
+            group.pop("step", None)

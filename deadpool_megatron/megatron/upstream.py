@@ -8,6 +8,7 @@ The only module that touches `megatron.training`; imported only by a patched Meg
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import signal
 from collections.abc import Callable
@@ -170,6 +171,64 @@ def print_arguments_once() -> None:
         return print_args
 
     _replace_once(arguments, "_print_args", once)
+
+
+def torch_adam_loads_checkpoints() -> bool:
+    """Let Megatron-LM's `--load` restore a distributed optimizer built on torch's Adam/AdamW,
+    which megatron-core picks where neither Apex nor Transformer Engine is installed (on CPU
+    here). Its DistributedOptimizer fails that load three ways (seen 2026-12-05 on
+    core_v0.16.1; the code is the same in core_v0.19.0): preparing the load calls
+    state_dict(), which asserts that the fresh optimizer's state holds one Adam `step`, and it
+    holds none before a first step; load_state_dict then copies the saved state into fp32 main
+    parameters that require grad, outside no_grad; and it gives every parameter one shared
+    `step` tensor, which torch's Adam advances once per parameter per step. So a load's
+    preparation first gives a fresh optimizer the state a first step would create
+    (`materialize_optimizer_state`), its load runs under no_grad, and each parameter then
+    gets its own step from the checkpoint's param groups (`own_adam_steps`): what our own
+    pretrain_gpt.py's load does. False, changing nothing, where megatron-core has Apex or TE
+    (their FusedAdam keeps its step in the param groups) or no such optimizer."""
+    import torch
+    from megatron.core.optimizer import distrib_optimizer
+
+    from .checkpointing import materialize_optimizer_state, own_adam_steps
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return False
+    owner = getattr(distrib_optimizer, "DistributedOptimizer", None)
+
+    def materialized_first(own: Callable) -> Callable:
+        loading = inspect.signature(own)
+
+        def sharded_state_dict(self, *args, **kwargs):
+            if loading.bind(self, *args, **kwargs).arguments.get("is_loading", False):
+                materialize_optimizer_state(self)
+            return own(self, *args, **kwargs)
+
+        return sharded_state_dict
+
+    def steps_own(own: Callable) -> Callable:
+        def load_state_dict(self, state_dict) -> None:
+            with torch.no_grad():  # the fp32 main params are views of leaves that require grad
+                own(self, state_dict)
+            own_adam_steps(self.optimizer, state_dict["optimizer"]["param_groups"])
+
+        return load_state_dict
+
+    return _replace_once(owner, "sharded_state_dict", materialized_first) and _replace_once(
+        owner, "load_state_dict", steps_own
+    )
+
+
+def checkpoint_loaded() -> tuple[int, float] | None:
+    """The iteration pretrain()'s `--load` resumed from and the seconds its load took
+    (Megatron-LM's own `load-checkpoint` timer, read as its one-logger reads it); None where
+    it loaded nothing (no `--load`, or no checkpoint under it yet)."""
+    from megatron.training.global_vars import get_args, get_timers
+
+    args = get_args()
+    if args.load is None or not args.iteration:
+        return None
+    return int(args.iteration), float(get_timers()("load-checkpoint").active_time())
 
 
 def _replace_once(owner: object, name: str, make: Callable[[Callable], Callable]) -> bool:

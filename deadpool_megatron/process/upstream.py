@@ -26,6 +26,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..config import JobConfig
 from ..control.c10d import StoppableStore, poll_cap
 from ..control.context import JobContext
+from ..events import CHECKPOINT_LOADED
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, cpu_backend, parallel, upstream
 from ..megatron.checkpointing import materialize_optimizer_state
@@ -215,6 +216,9 @@ class UpstreamSession(ProtectedLoop):
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
         if pending is None:
+            loaded = upstream.checkpoint_loaded()
+            if loaded is not None and self.env.rank == 0:  # a restart, or a job resumed
+                self.guard.events.emit(CHECKPOINT_LOADED, iteration=loaded[0], load_s=loaded[1])
             self.inject(0, "setup")  # ACTION@R:0:setup, here after Megatron-LM's --load
             self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
             return
@@ -323,6 +327,7 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
 
     upstream.cache_field_docstrings()  # every pretrain() of this process parses its flags twice
     upstream.print_arguments_once()
+    upstream.torch_adam_loads_checkpoints()  # --load, where megatron-core has no Apex or TE
 
     def parse(env: ProcessEnv) -> JobConfig:
         if not (env.under_launcher or env.preflight):

@@ -75,12 +75,14 @@ def megatron_lm(tmp_path_factory) -> Path:
     return checkout
 
 
-def _run(checkout: Path, tmp_path: Path, name: str, extra: list[str]) -> tuple[dict, dict, str]:
+def _run(
+    checkout: Path, tmp_path: Path, name: str, extra: list[str], spares: int = 1
+) -> tuple[dict, dict, str]:
     metrics = tmp_path / f"{name}.jsonl"
     cmd = [
         sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
-        "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
-        *extra,
+        "--spares", str(spares), "pretrain_gpt.py", *MODEL,
+        "--deadpool-metrics-jsonl", str(metrics), *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(checkout.parent)}
     done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
@@ -191,6 +193,26 @@ def test_upstream_death_in_the_last_periodic_save_is_hot_swapped_and_saved_again
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "12"
     assert killed_losses == losses
     assert killed_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_falls_back_to_its_checkpoint_without_a_spare_and_resumes_bitwise(
+    megatron_lm, failure_free, tmp_path
+):
+    # No spare: rank 1's death cannot be hot-swapped, so the job restarts from Megatron-LM's
+    # own checkpoint of iteration 4 (--load), which megatron-core's DistributedOptimizer on
+    # torch's AdamW (no Apex or TE here) cannot load by itself (upstream
+    # .torch_adam_loads_checkpoints). Without that step's fix the restart diverges silently.
+    losses, final = failure_free
+    save = tmp_path / "ckpt"
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, "fallback",
+        ["--deadpool-inject", "kill@1:6", "--save", str(save), "--save-interval", "4",
+         "--load", str(save)],
+        spares=0,
+    )  # fmt: skip
+    assert "falling back to the persistent checkpoint" in output
+    assert "loading distributed checkpoint from" in output and "at iteration 4" in output
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
 def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(

@@ -1,6 +1,7 @@
 """scripts/bench_megatron_lm.py without Megatron-LM: its reading of a job's metrics and events
 (time not spent on the iterations that count, a replayed iteration's last run, the recovery's
-phases), its refusal of a failure run that is not bitwise equal, and of bad flags."""
+phases and the checkpoint-restart's), its refusal of a failure run that is not bitwise equal
+or did not go the way it was run for, and of bad flags."""
 
 from __future__ import annotations
 
@@ -31,29 +32,73 @@ def _recovery(total_s: float) -> list[dict]:
     ]  # fmt: skip
 
 
+def _restart(injected: float, detected: float, loaded: float, load_s: float) -> list[dict]:
+    return [
+        {"event": "fault_injected", "time": injected},
+        {"event": "failure_detected", "time": detected},
+        {"event": "checkpoint_loaded", "time": loaded, "iteration": 4, "load_s": load_s},
+    ]
+
+
+def _free() -> dict:
+    return bench.analyse(_records({i: 10.0 + 0.1 * i for i in range(1, 13)}), [], 6)
+
+
+def _restarted() -> dict:
+    # killed in iteration 6; the job started again, loaded 4's checkpoint and ran 5 again:
+    # 9 s from the failure to the restarted 5's end, of which 0.1 s is 5's own run
+    times = {i: 10.0 + 0.1 * i + (9.0 if i >= 5 else 0.0) for i in range(1, 13)}
+    records = _records(times)
+    records.insert(4, {"iteration": 5, "lm_loss": 6.5, "iteration_ms": 100.0, "time": 10.5})
+    return bench.analyse(records, _restart(10.55, 10.6, 19.0, 0.5), 6)
+
+
 def test_time_lost_is_the_span_not_spent_on_iterations_that_count():
-    free = bench.analyse(_records({i: 10.0 + 0.1 * i for i in range(1, 13)}), [])
+    free = _free()
     assert free["unexplained_s"] == pytest.approx(0.0) and "recovery" not in free
     # iteration 6 ran twice (its first run lost with the failure): its last run counts once,
     # and 1.2 s went to the recovery
     times = {i: 10.0 + 0.1 * i + (1.2 if i >= 6 else 0.0) for i in range(1, 13)}
     records = _records(times)
     records.insert(5, {"iteration": 6, "lm_loss": 0.0, "iteration_ms": 100.0, "time": 10.5})
-    failed = bench.analyse(records, _recovery(1.25))
+    failed = bench.analyse(records, _recovery(1.25), 6)
     assert failed["unexplained_s"] == pytest.approx(1.2)
     assert failed["losses"] == free["losses"]
     assert failed["recovery"]["recovery_total_s"] == 1.25
     assert failed["recovery"]["rebuild_model"] == 0.3
-    out = bench.summarize([(free, failed)])
+    assert "restart" not in failed
+    restarted = _restarted()
+    assert "recovery" not in restarted
+    assert restarted["unexplained_s"] == pytest.approx(9.0)
+    assert restarted["restart"]["loaded_iteration"] == 4
+    assert restarted["restart"]["detect"] == pytest.approx(0.05)
+    assert restarted["restart"]["restart_processes"] == pytest.approx(19.0 - 0.5 - 10.6)
+    assert restarted["restart"]["replay"] == pytest.approx(0.1)  # iteration 5, once more
+    out = bench.summarize([(free, failed)], [(_free(), restarted)])
     assert out["lost_s"] == pytest.approx(1.2) and out["recovery_s"] == 1.25 and out["bitwise"]
+    assert out["ckpt_restart_lost_s"] == pytest.approx(9.0)
+    assert out["ckpt_restart_phases"]["load"] == 0.5
+    assert out["ratio"] == pytest.approx(7.5)
 
 
 def test_a_failure_run_that_is_not_bitwise_equal_fails_the_benchmark():
     times = {i: 10.0 + 0.1 * i for i in range(1, 13)}
-    free = bench.analyse(_records(times), [])
-    other = bench.analyse(_records(times, digest="d1"), _recovery(1.0))
+    free = bench.analyse(_records(times), [], 6)
+    other = bench.analyse(_records(times, digest="d1"), _recovery(1.0), 6)
     with pytest.raises(SystemExit, match="bitwise"):
-        bench.summarize([(free, other)])
+        bench.summarize([(free, other)], [(_free(), _restarted())])
+    with pytest.raises(SystemExit, match="bitwise"):  # the restart's too
+        restarted = _restarted()
+        hot_swapped = bench.analyse(_records(times), _recovery(1.0), 6)
+        bench.summarize([(free, hot_swapped)], [(free, {**restarted, "digest": "d1"})])
+
+
+def test_a_failure_run_that_went_another_way_fails_the_benchmark():
+    # a "restart" job that hot-swapped instead (or loaded nothing) measures something else
+    times = {i: 10.0 + 0.1 * i for i in range(1, 13)}
+    hot_swapped = bench.analyse(_records(times), _recovery(1.0), 6)
+    with pytest.raises(SystemExit, match="logged no restart"):
+        bench.summarize([(_free(), hot_swapped)], [(_free(), hot_swapped)])
 
 
 @pytest.mark.parametrize(
@@ -63,6 +108,10 @@ def test_a_failure_run_that_is_not_bitwise_equal_fails_the_benchmark():
         (["--megatron-lm", str(ROOT), "--fail-at", "13"], r"--fail-at 13 must lie in \[2, 12\]"),
         (["--megatron-lm", str(ROOT), "--victim", "4"], r"--victim 4 must be a rank in \[0, 3\]"),
         (["--megatron-lm", str(ROOT), "--repeats", "0"], "--repeats 0 must be 1 or more"),
+        (
+            ["--megatron-lm", str(ROOT), "--save-interval", "6"],
+            r"--save-interval 6 must lie in \[1, 5\]: a checkpoint must precede",
+        ),
     ],
 )
 def test_bad_flags_are_refused_before_any_job(argv, message, capsys):
