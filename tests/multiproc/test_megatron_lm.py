@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_cluster import start_cluster
+from slurm_jobs import lose_node, node_logs, submit, wait_for_iteration
 
 from deadpool_megatron.metrics import read_metrics
 from jobs import JOB_TIMEOUT_S, ROOT
@@ -46,6 +48,7 @@ MODEL = shlex.split(
     "--deadpool-heartbeat-interval 0.5 --deadpool-heartbeat-timeout 2.0"
 )
 NEEDED = ("six", "regex", "pydantic", "pybind11", "triton")
+DP4 = ["--pipeline-model-parallel-size", "1"]  # after MODEL's: the same job as DP4
 
 
 @pytest.fixture(scope="module")
@@ -301,3 +304,41 @@ def test_upstream_exit_signal_noted_before_a_recovery_is_not_forgotten(
     assert 6 <= stopped < 12, output[-3000:]
     assert got == {i: losses[i] for i in range(1, stopped + 1)}
     assert "exiting program after receiving SIGTERM" in output
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"), 3)
+    yield cluster
+    cluster.stop()
+
+
+def test_upstream_under_sbatch_hot_swaps_a_lost_node_onto_the_spare_node_bitwise(
+    megatron_lm, slurm, tmp_path
+):
+    # The README's Slurm command for Megatron-LM (MEGATRON_LM_DIR=... sbatch
+    # scripts/slurm/pretrain_gpt.sbatch MEGATRON_FLAGS --deadpool) on a local Slurm of three
+    # nodes: two worker nodes of two processes and a spare node. Node 1 (ranks 2 and 3) is
+    # lost whole, its agent and every process on it at once, and the spare node's processes
+    # take its ranks over. DP4 (no pipeline): with PP2 x DP2, Megatron-LM's rank order puts
+    # a whole pipeline stage's DP group on node 1, which no hot-swap can recover (the
+    # launcher warns of it at start).
+    losses, final, _ = _run(megatron_lm, tmp_path, "failure_free_dp4", DP4)
+    run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    # No zygote: the node's fork server must be in its agent's process tree, which the loss
+    # below kills (as in test_multinode.py).
+    job = submit(
+        slurm, tmp_path, run_dir, 3, 1, [*MODEL, *DP4, "--deadpool-metrics-jsonl", str(metrics)],
+        zygote=False, nproc=2,
+        env={"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent)},
+    )  # fmt: skip
+    wait_for_iteration(tmp_path, metrics, 5, JOB_TIMEOUT_S)
+    lose_node(job, 1)
+    state = slurm.wait_job(job, 2 * JOB_TIMEOUT_S)
+    out = (tmp_path / "batch.out").read_text()
+    logs = node_logs(run_dir)
+    assert state == "COMPLETED", out + logs[-6000:]
+    assert "node(s) 1 lost during the job; it finished on the others" in out
+    assert re.search(r"spare \d+ claimed: takes over rank [23] in generation 1", logs), logs[-6000:]
+    got, got_final = read_metrics(str(metrics))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]

@@ -9,16 +9,15 @@ node. Every job ends bitwise identical to the failure-free run of the same shape
 from __future__ import annotations
 
 import re
-import sys
 import time
 
 import psutil
 import pytest
-from etcd_server import free_port, start_etcd_cluster
+from etcd_server import start_etcd_cluster
 from nodes import result, start_nodes
 from slurm_cluster import start_cluster
+from slurm_jobs import lose_node, node_logs, submit, wait_for_iteration
 
-from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
 from deadpool_megatron.control import keys
 from deadpool_megatron.events import read_events
 from deadpool_megatron.metrics import read_metrics
@@ -71,64 +70,19 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
-def _agent_of(job_id: str, node: int) -> psutil.Process | None:
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        ours = "deadpool_megatron.launch" in cmd and f"slurm-{job_id}" in cmd
-        if ours and cmd[cmd.index("--node-rank") + 1] == str(node):
-            return p
-    return None
-
-
-def _sbatch(slurm, tmp_path, run_dir, nodes: int, spare_nodes: int, args: list[str], *,
-            zygote: bool, sbatch_args: tuple[str, ...] = ()) -> str:  # fmt: skip
-    """Submit the Slurm script with our pretrain_gpt.py on CPU (even if MEGATRON_LM_DIR is
-    set), its batch output in tmp_path/batch.out; returns the job id. Without `zygote` each
-    agent starts its own fork server, in its process tree and its step."""
-    # slurm.env copied the session's environment, the zygote's socket with it: dropped, and
-    # unset, without one (the socket only made no difference while the zygote refused these
-    # agents for PYTHON, which it no longer does)
-    base = {k: v for k, v in slurm.env.items() if zygote or k != ENV_FORK_ZYGOTE}
-    env = dict(base, NPROC_PER_NODE=str(NPROC), SPARE_NODES=str(spare_nodes),
-               DEADPOOL_GPU="0", PYTHON=sys.executable, DEADPOOL_HOME=str(ROOT),
-               DEADPOOL_RUN_DIR=str(run_dir), MASTER_PORT=str(free_port()),
-               TRAIN_SCRIPT=str(ROOT / "pretrain_gpt.py"))  # fmt: skip
-    submit = slurm.run(
-        "env", *(() if zygote else ("-u", ENV_FORK_ZYGOTE)),
-        *(f"{k}={v}" for k, v in env.items() if k != "SLURM_CONF"),
-        "sbatch", "--parsable", *sbatch_args, "--constraint=", "--gpus-per-node=0",
-        f"--nodes={nodes}", f"--output={tmp_path}/batch.out",
-        str(ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"), *args,
-    )  # fmt: skip
-    assert submit.returncode == 0, submit.stderr
-    return submit.stdout.strip().split(";")[0]
-
-
-def _wait_for_iteration(tmp_path, metrics, iteration: int) -> None:
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and iteration in read_metrics(str(metrics))[0]):
-        assert time.monotonic() < deadline, (tmp_path / "batch.out").read_text()
-        time.sleep(0.05)
-
-
 def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slurm, baseline):
     run_dir = tmp_path / "run"
     metrics = tmp_path / "metrics.jsonl"
     log = tmp_path / "events.jsonl"
     # Without the session's zygote (multiproc/conftest.py): the node's fork server must be
     # in its agent's process tree, which the node's loss below kills.
-    job = _sbatch(slurm, tmp_path, run_dir, 4, 1, [*SHAPE, "--metrics-jsonl", str(metrics),
-                  "--deadpool-event-log", str(log)], zygote=False)  # fmt: skip
-    _wait_for_iteration(tmp_path, metrics, 5)
-    agent = _agent_of(job, 1)
-    assert agent is not None
-    # Node 1's task (the shell around its agent), the agent and every process on it, at once.
-    victims = [agent.parent(), agent, *agent.children(recursive=True)]
-    for p in victims:
-        p.kill()
+    job = submit(slurm, tmp_path, run_dir, 4, 1, [*SHAPE, "--metrics-jsonl", str(metrics),
+                  "--deadpool-event-log", str(log)], zygote=False, nproc=NPROC)  # fmt: skip
+    wait_for_iteration(tmp_path, metrics, 5)
+    victims = lose_node(job, 1)
     state = slurm.wait_job(job, 300)
     out = (tmp_path / "batch.out").read_text()
-    logs = _logs(run_dir)
+    logs = node_logs(run_dir)
     assert state == "COMPLETED", out + logs[-6000:]
     assert "node(s) 1 lost during the job; it finished on the others" in out
     losses, final = read_metrics(str(metrics))
@@ -156,16 +110,16 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
     metrics = tmp_path / "metrics.jsonl"
     ckpt = str(tmp_path / "ckpt")
     try:
-        job = _sbatch(
+        job = submit(
             slurm, tmp_path, run_dir, 3, 0,
             [*SHAPE, "--save", ckpt, "--load", ckpt, "--exit-interval", "7",
              "--deadpool-store", "etcd", "--deadpool-etcd-endpoints", etcd.endpoints,
              "--metrics-jsonl", str(metrics)],
-            zygote=True, sbatch_args=("--requeue",),
+            zygote=True, nproc=NPROC, sbatch_args=("--requeue",),
         )  # fmt: skip
         first = slurm.wait_job(job, 300)
         out = (tmp_path / "batch.out").read_text()
-        assert first == "COMPLETED", out + _logs(run_dir)[-6000:]
+        assert first == "COMPLETED", out + node_logs(run_dir)[-6000:]
         assert sorted(read_metrics(str(metrics))[0]) == list(range(1, 8))
         # Slurm delays a requeued job by 2 minutes; 5 s is enough here. Not at once: a job
         # started again in the second its credential was revoked (at its end) is killed.
@@ -180,7 +134,7 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
             time.sleep(0.2)
         second = slurm.wait_job(job, 300)
         out = (tmp_path / "batch.out").read_text()
-        assert second == "COMPLETED", out + _logs(run_dir)[-6000:]
+        assert second == "COMPLETED", out + node_logs(run_dir)[-6000:]
         left = {p: etcd.count(p) for launch in (f"slurm-{job}", f"slurm-{job}-requeue1")
                 for p in (keys.job_prefix(launch), keys.process_groups_prefix(launch))}  # fmt: skip
     finally:
@@ -189,7 +143,7 @@ def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
     assert "loaded checkpoint of iteration 7" in (run_dir / "node-0.requeue1.log").read_text()
     # the session's zygote served every agent: PYTHON, which the Slurm script reads, is no
     # reason to refuse (it refused them all before, and each agent imported anew)
-    assert _logs(run_dir).count("forked from the zygote") == 6, _logs(run_dir)[-4000:]
+    assert node_logs(run_dir).count("forked from the zygote") == 6, node_logs(run_dir)[-4000:]
     losses, final = read_metrics(str(metrics))
     assert losses == baseline.losses
     assert final["state_digest"] == baseline.digest
@@ -208,14 +162,14 @@ def test_sbatch_signalled_with_the_exit_signal_handler_saves_where_every_rank_st
     metrics = tmp_path / "metrics.jsonl"
     ckpt = tmp_path / "ckpt"
     # Without the session's zygote: each agent's fork server is in the step, and signalled.
-    job = _sbatch(slurm, tmp_path, run_dir, 4, 1, [*LONG, "--save", str(ckpt),
-                  "--exit-signal-handler", "--metrics-jsonl", str(metrics)], zygote=False)  # fmt: skip
-    _wait_for_iteration(tmp_path, metrics, 5)
+    job = submit(slurm, tmp_path, run_dir, 4, 1, [*LONG, "--save", str(ckpt),
+                  "--exit-signal-handler", "--metrics-jsonl", str(metrics)], zygote=False, nproc=NPROC)  # fmt: skip
+    wait_for_iteration(tmp_path, metrics, 5)
     signalled = slurm.run("scancel", "--signal=TERM", job)
     assert signalled.returncode == 0, signalled.stderr
     state = slurm.wait_job(job, 300)
     out = (tmp_path / "batch.out").read_text()
-    logs = _logs(run_dir)
+    logs = node_logs(run_dir)
     assert state == "COMPLETED", out + logs[-6000:]
     assert f"(slurm-{job}) finished (srun status 0)" in out, out
     stopped = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
@@ -227,11 +181,6 @@ def test_sbatch_signalled_with_the_exit_signal_handler_saves_where_every_rank_st
     assert logs.count("stopped by SIGTERM, exiting") == 2, logs[-4000:]  # the spare node's
     assert "classified" not in logs and "Traceback" not in logs, logs[-4000:]
     assert "forked from the zygote" not in logs  # each fork server in its agent's step
-
-
-def _logs(run_dir) -> str:
-    """Every node agent's log under the Slurm script's run directory, in node order."""
-    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))
 
 
 def test_a_worker_takes_its_nodes_spare_and_an_agent_killed_alone_takes_its_node(
