@@ -8,10 +8,10 @@ deadpool-launch failure-free and with rank --victim killed as iteration --fail-a
 each both ways: hot-swap (the default policy), and checkpoint-restart (`deadpool-launch
 --restart-policy full --max-restarts 1`, with Megatron-LM's `--save`, `--save-interval` and
 `--load` in a fresh folder per job: every process is stopped and the job started again from
-the newest checkpoint), alternating, --repeats times each. A checkout given as a git repository (a clone, or the
-mirror of `fetch github:NVIDIA/Megatron-LM`) is cloned at core_v0.16.1 into the work folder
-and patched by scripts/apply_megatron_patch.sh; a folder that is already patched is used
-as it is.
+the newest checkpoint), alternating, --repeats times each. A checkout given as a git
+repository (a clone, or the mirror of `fetch github:NVIDIA/Megatron-LM`) is cloned at
+core_v0.16.1 into the work folder and patched by scripts/apply_megatron_patch.sh; a folder
+that is already patched is used as it is.
 
 Time lost per failure is measured as in scripts/bench_recovery.py: a run's span (first
 iteration's finish to last iteration's finish) minus the iterations that count, the failure
@@ -159,8 +159,8 @@ def run_job(a, checkout: Path, workdir: Path, name: str, failure: bool, restart:
     shutil.rmtree(ckpt, ignore_errors=True)  # --load must find this job's checkpoints only
     policy = ["--restart-policy", "full", "--max-restarts", "1"] if restart else []
     cmd = [sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(NPROC),
-           "--spares", "1", *policy, "pretrain_gpt.py", *MODEL,
-           "--deadpool-metrics-jsonl", str(metrics), "--deadpool-event-log", str(events)]  # fmt: skip
+           "--spares", "1", *policy, "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl",
+           str(metrics), "--deadpool-event-log", str(events)]  # fmt: skip
     if restart:
         cmd += ["--save", str(ckpt), "--save-interval", str(a.save_interval), "--load", str(ckpt)]
     if failure:

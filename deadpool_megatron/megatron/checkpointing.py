@@ -342,7 +342,8 @@ def own_adam_steps(torch_opt: torch.optim.Optimizer, saved_groups: list[dict]) -
     step that a DistributedOptimizer checkpoint's param groups (`saved_groups`) carry. torch's
     AdamW never reads the step there, so it is dropped again from the live groups (a run
     resumed from a checkpoint holds the same param groups as one that never stopped). Nothing
-    to do where the groups carry no step (TE/apex FusedAdam keeps its own there)."""
+    changes where the groups carry no step, or the state holds none per parameter (TE/apex
+    FusedAdam keeps its step in the param groups)."""
     steps = {g["step"] for g in saved_groups if "step" in g}
     if not steps:
         return
