@@ -23,11 +23,11 @@ against its own failure-free twin (the restart's twin saves on the same interval
 not a failure's cost). torchrun cannot be the restart here: without DeadPool's session
 nothing routes Megatron-LM's CUDA calls to the CPU.
 
-Writes JSON; the last line printed is one JSON object: {"recovery_s" (median),
-"recovery_runs_s", "lost_s" (median), "lost_runs_s", "phases" (median per phase),
-"ckpt_restart_lost_s" (median), "ckpt_restart_lost_runs_s", "ckpt_restart_phases",
-"ratio" (ckpt_restart_lost_s / lost_s), "iteration_s", "bitwise": true, "repeats",
-"wall_s"}.
+Writes JSON and a PNG beside it (each way's median phases and time lost); the last line
+printed is one JSON object: {"recovery_s" (median), "recovery_runs_s", "lost_s" (median),
+"lost_runs_s", "phases" (median per phase), "ckpt_restart_lost_s" (median),
+"ckpt_restart_lost_runs_s", "ckpt_restart_phases", "ratio" (ckpt_restart_lost_s / lost_s),
+"iteration_s", "bitwise": true, "repeats", "wall_s"}.
 
     python scripts/bench_megatron_lm.py --megatron-lm /path/to/Megatron-LM --repeats 3
     python scripts/bench_megatron_lm.py --megatron-lm DIR --data-cache-path  # indexes cached
@@ -225,6 +225,42 @@ def summarize(pairs: list[tuple[dict, dict]], restarts: list[tuple[dict, dict]])
     }
 
 
+def plot(result: dict, path: Path) -> None:
+    """Each way's time lost per failure as a bar of its median phases (hot-swap: failure to
+    first resumed iteration; checkpoint-restart: detection to the replay's end), with the
+    median time lost marked on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ways = [("hot-swap (--deadpool)", result["phases"], result["lost_s"]),
+            ("checkpoint-restart", result["ckpt_restart_phases"],
+             result["ckpt_restart_lost_s"])]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    names = list(dict.fromkeys(k for _, phases, _ in ways for k in phases))  # detect: once
+    colour = dict(zip(names, plt.get_cmap("tab20").colors))
+    for y, (_, phases, lost) in enumerate(ways):
+        left = 0.0
+        for phase, seconds in phases.items():
+            ax.barh(y, seconds, left=left, color=colour[phase], edgecolor="white", label=phase)
+            left += seconds
+        ax.plot([lost], [y], marker="|", markersize=28, color="black")
+        ax.annotate(f"lost {lost:.2f} s", (max(lost, left), y), xytext=(6, 0),
+                    textcoords="offset points", va="center", fontsize=9)  # fmt: skip
+    ax.set_yticks(range(len(ways)), [w[0] for w in ways])
+    ax.set_xlabel("seconds (phase medians; | time lost per failure, median)")
+    ax.set_title(f"Megatron-LM pretrain_gpt.py, one rank killed ({result['repeats']} runs "
+                 f"each, CPU/gloo, ratio {result['ratio']:.1f}x)")  # fmt: skip
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend(seen.values(), seen.keys(), fontsize=7, ncol=4, loc="lower right")
+    ax.set_xlim(0, 1.25 * max(max(sum(w[1].values()), w[2]) for w in ways))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="bench_megatron_lm_"))
@@ -257,6 +293,7 @@ def main(argv=None) -> int:
     result["wall_s"] = round(time.time() - started, 1)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, Path(a.out).with_suffix(".png"))
     print(json.dumps(result))
     return 0
 

@@ -118,3 +118,11 @@ def test_bad_flags_are_refused_before_any_job(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_plot_draws_both_ways_from_a_summary(tmp_path):
+    times = {i: 10.0 + 0.1 * i for i in range(1, 13)}
+    hot_swapped = bench.analyse(_records(times), _recovery(1.0), 6)
+    summary = bench.summarize([(_free(), hot_swapped)], [(_free(), _restarted())])
+    bench.plot(summary, tmp_path / "out.png")
+    assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
