@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import JobConfig, validate
+from ..config import JobConfig
 from ..flags import add_config_flags, build_job_config, load_config_file
+from ..validation import validate
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:

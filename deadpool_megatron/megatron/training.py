@@ -19,8 +19,9 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from ..checkpoint.pipeline import ProtectionPipeline
-from ..config import JobConfig, data_parallel_size
+from ..config import JobConfig
 from ..metrics import MetricsWriter, iteration_line
+from ..validation import data_parallel_size
 from . import checkpointing, gloo_ops
 from .data import build_corpus, get_micro_batch, micro_batch_indices
 from .digest import state_digest

@@ -13,9 +13,10 @@ import logging
 import signal
 from collections.abc import Callable
 
-from ..config import JobConfig, check_model_parallel, validate_deadpool
+from ..config import JobConfig
 from ..errors import ConfigError
 from ..flags import add_config_flags, build_job_config
+from ..validation import check_model_parallel, validate_deadpool
 from .parallel import destroy_distributed
 
 log = logging.getLogger("deadpool.upstream")

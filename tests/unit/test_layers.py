@@ -17,7 +17,7 @@ LAYERS = [
     {"runtime", "topology", "endpoints", "logging_setup", "metrics", "events", "agreement"},
     {"failure"},
     {"config"},
-    {"flags", "control", "checkpoint", "sim", "report"},
+    {"flags", "validation", "control", "checkpoint", "sim", "report"},
     {"megatron"},
     {"recovery"},
     {"process", "agent"},

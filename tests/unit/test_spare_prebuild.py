@@ -11,10 +11,11 @@ from test_coordinator import generation0, holdings, make  # noqa: F401 (autouse 
 from test_stages import TIMEOUTS, FakeAbort
 from test_stages import plan as stage_plan
 
-from deadpool_megatron.config import ConfigError, JobConfig
+from deadpool_megatron.config import JobConfig
 from deadpool_megatron.control import keys
 from deadpool_megatron.control.context import JobContext
 from deadpool_megatron.control.messages import PlanDecision, SparePrebuilt
+from deadpool_megatron.errors import ConfigError
 from deadpool_megatron.failure.progress import ProgressBoard
 from deadpool_megatron.megatron.arguments import parse_job_args
 from deadpool_megatron.megatron.prebuild import Prebuilt

@@ -1,0 +1,249 @@
+"""A job's configuration checked once, before any process group exists: every value and
+combination, with derived defaults filled in. Pure (no I/O but file checks); a bad value raises
+:class:`ConfigError` whose message names it and what would be valid."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .config import JobConfig
+from .endpoints import etcd_security
+from .errors import ConfigError
+from .failure.hang import HangPolicy
+from .failure.heartbeat import check_heartbeat_times
+from .failure.inject import parse_faults
+from .runtime import ENV_SPARES
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: JobConfig, world_size: int) -> JobConfig:
+    """Check every value and combination; fill derived defaults. Pure: no I/O but file checks."""
+    p, m, t, d, c, lg = cfg.parallel, cfg.model, cfg.training, cfg.data, cfg.checkpoint, cfg.logging
+    for name, value in cfg.flat().items():  # nan passes every range check below: refuse it first
+        _require(
+            not isinstance(value, float) or math.isfinite(value),
+            f"--{name.replace('_', '-')}={value} must be a finite number",
+        )
+    for name, value in (
+        ("world size", world_size),
+        ("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--num-layers", m.num_layers),
+        ("--hidden-size", m.hidden_size),
+        ("--num-attention-heads", m.num_attention_heads),
+        ("--seq-length", m.seq_length),
+        ("--vocab-size", m.vocab_size),
+        ("--micro-batch-size", t.micro_batch_size),
+        ("--global-batch-size", t.global_batch_size),
+        ("--train-iters", t.train_iters),
+        ("--log-interval", lg.log_interval),
+    ):
+        _require(value >= 1, f"{name}={value} is invalid: it must be a positive integer")
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    dp = check_model_parallel(world_size, tp, pp)
+    _require(
+        t.global_batch_size % (t.micro_batch_size * dp) == 0,
+        f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size "
+        f"{t.micro_batch_size} x data-parallel size {dp} = {t.micro_batch_size * dp}; use a "
+        f"multiple of {t.micro_batch_size * dp}",
+    )
+    _require(
+        m.num_attention_heads % tp == 0,
+        f"--num-attention-heads {m.num_attention_heads} is not divisible by "
+        f"--tensor-model-parallel-size {tp}; use a multiple of {tp}",
+    )
+    _require(
+        m.hidden_size % m.num_attention_heads == 0,
+        f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+        f"{m.num_attention_heads}",
+    )
+    _require(
+        m.num_layers % pp == 0,
+        f"--num-layers {m.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+        f"use a multiple of {pp}",
+    )
+    if m.ffn_hidden_size is None:
+        m.ffn_hidden_size = 4 * m.hidden_size
+    _require(
+        m.ffn_hidden_size % tp == 0,
+        f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by "
+        f"--tensor-model-parallel-size {tp}",
+    )
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    _require(
+        m.max_position_embeddings >= m.seq_length,
+        f"--max-position-embeddings {m.max_position_embeddings} is smaller than --seq-length "
+        f"{m.seq_length}",
+    )
+    _require(
+        m.vocab_size % tp == 0,
+        f"--vocab-size {m.vocab_size} is not divisible by --tensor-model-parallel-size {tp}",
+    )
+    vp = p.num_layers_per_virtual_pipeline_stage
+    if vp is not None:
+        _require(vp >= 1, f"--num-layers-per-virtual-pipeline-stage={vp} must be positive")
+        _require(
+            pp > 1 and m.num_layers % (pp * vp) == 0,
+            f"--num-layers-per-virtual-pipeline-stage {vp} needs "
+            f"--pipeline-model-parallel-size > 1 and --num-layers {m.num_layers} divisible by "
+            f"pipeline size x layers per virtual stage = {pp * vp}",
+        )
+        micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+        _require(
+            micro_batches % pp == 0,
+            f"the interleaved schedule needs micro-batches per iteration ({micro_batches}) to "
+            f"be a multiple of --pipeline-model-parallel-size {pp}",
+        )
+    _require(
+        not (t.bf16 and t.fp16), "--bf16 and --fp16 are both set; choose at most one precision"
+    )
+    _require(t.lr > 0, f"--lr={t.lr} must be positive")
+    _require(0 <= t.min_lr <= t.lr, f"--min-lr={t.min_lr} must lie between 0 and --lr={t.lr}")
+    _require(t.lr_warmup_iters >= 0, f"--lr-warmup-iters={t.lr_warmup_iters} must be >= 0")
+    _require(t.clip_grad >= 0, f"--clip-grad={t.clip_grad} must be >= 0")
+    _require(
+        0.0 <= m.hidden_dropout < 1.0 and 0.0 <= m.attention_dropout < 1.0,
+        "--hidden-dropout and --attention-dropout must lie in [0, 1)",
+    )
+    if t.exit_interval is not None:
+        _require(t.exit_interval >= 1, f"--exit-interval={t.exit_interval} must be positive")
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    for prefix in d.data_path:
+        if _is_weight(prefix):
+            continue
+        for ext in (".bin", ".idx"):
+            _require(
+                os.path.isfile(prefix + ext),
+                f"--data-path {prefix!r}: {prefix + ext} does not exist; pass the prefix of a "
+                f"Megatron indexed dataset (PREFIX.bin and PREFIX.idx), e.g. one written by "
+                f"scripts/preprocess_data.py",
+            )
+    _require(not c.async_save or bool(c.save), "--async-save needs --save DIR")
+    if c.save_interval is not None:
+        _require(
+            c.save_interval >= 1, f"--save-interval={c.save_interval} must be a positive integer"
+        )
+        _require(c.save is not None, "--save-interval is set but --save is not; pass --save DIR")
+    if c.load is not None:
+        # --save DIR --load DIR before DIR exists is Megatron's resume-if-present pattern (a
+        # restarted attempt loads what the first one saved); any other missing --load is a typo.
+        _require(
+            os.path.isdir(c.load) or _same_path(c.load, c.save),
+            f"--load {c.load!r} is not a directory; pass a directory written by --save (or the "
+            "same directory as --save, to resume from it once it exists)",
+        )
+    validate_deadpool(cfg, dp)
+    return cfg
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    return b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_model_parallel(world_size: int, tp: int, pp: int) -> int:
+    """The data-parallel size, once TP x PP is known to divide the world size."""
+    _require(
+        tp >= 1 and pp >= 1 and world_size % (tp * pp) == 0,
+        f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+        f"--pipeline-model-parallel-size {pp} = {tp * pp}; use a world size that is a multiple "
+        f"of {tp * pp}",
+    )
+    return world_size // (tp * pp)
+
+
+def validate_deadpool(cfg: JobConfig, dp: int) -> None:
+    dpc = cfg.deadpool
+    _require(
+        dpc.deadpool_snapshot_interval >= 1,
+        f"--deadpool-snapshot-interval={dpc.deadpool_snapshot_interval} must be a positive integer",
+    )
+
+    check_heartbeat_times(dpc.deadpool_heartbeat_interval, dpc.deadpool_heartbeat_timeout)
+    HangPolicy.from_config(dpc)  # raises ConfigError naming the flag
+    _require(
+        dpc.deadpool_node_timeout > dpc.deadpool_heartbeat_interval,
+        f"--deadpool-node-timeout={dpc.deadpool_node_timeout} must be longer than "
+        f"--deadpool-heartbeat-interval={dpc.deadpool_heartbeat_interval} (the lease's renewal)",
+    )
+    _require(
+        dpc.deadpool_health_check_interval >= 0,
+        f"--deadpool-health-check-interval={dpc.deadpool_health_check_interval} must be 0 (off) "
+        "or a positive number of seconds",
+    )
+    if dpc.deadpool_store == "etcd":
+        _require(
+            bool(dpc.deadpool_etcd_endpoints),
+            "--deadpool-store etcd needs --deadpool-etcd-endpoints http://HOST:PORT[,...]",
+        )
+        etcd_security(dpc.deadpool_etcd_cacert, dpc.deadpool_etcd_cert, dpc.deadpool_etcd_key,
+                      dpc.deadpool_etcd_user, dpc.deadpool_etcd_endpoints)  # fmt: skip
+    if dpc.deadpool_on_unrecoverable is None:
+        dpc.deadpool_on_unrecoverable = "checkpoint-restart" if cfg.checkpoint.save else "stop"
+    _require(
+        dpc.deadpool_on_unrecoverable == "stop" or bool(cfg.checkpoint.save),
+        "--deadpool-on-unrecoverable checkpoint-restart needs --save DIR (and --save-interval) "
+        "to restart from; use --deadpool-on-unrecoverable stop without persistent checkpoints",
+    )
+    if dpc.deadpool_chaos_mtbf is not None:
+        _require(
+            dpc.deadpool_chaos_mtbf > 0,
+            f"--deadpool-chaos-mtbf={dpc.deadpool_chaos_mtbf} must be a positive number of seconds",
+        )
+    if dpc.deadpool_inject:
+        spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
+        parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
+                     spares=int(spares) if spares is not None else None,
+                     last_iteration=_known_end(cfg))  # fmt: skip
+    _require(
+        dpc.deadpool_spare_prebuild >= 0,
+        f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "
+        "number of ranks each spare builds a model for while idle",
+    )
+    if not dpc.deadpool:
+        return
+    _require(
+        cfg.parallel.use_distributed_optimizer,
+        "--deadpool needs --use-distributed-optimizer: the optimizer shard each DP rank owns is "
+        "what the ring replicates",
+    )
+    _require(
+        0 <= dpc.deadpool_replicas <= dp - 1,
+        f"--deadpool-replicas {dpc.deadpool_replicas} needs 0 <= K <= data-parallel size - 1 "
+        f"(data-parallel size is {dp}; a replica lives on another DP rank of the same TP/PP "
+        f"coordinates; 0 keeps local snapshots only: transient failures are reset in place, "
+        f"a lost process is not recoverable in memory)",
+    )
+
+
+def _known_end(cfg: JobConfig) -> int | None:
+    """The iteration training stops after, when the flags alone say (not after a --load with
+    --exit-interval: that end depends on the checkpoint's iteration)."""
+    t = cfg.training
+    if cfg.checkpoint.load and t.exit_interval:
+        return None
+    return t.end_iteration(0)
+
+
+def cfg_world_size(cfg: JobConfig, dp: int) -> int:
+    return dp * cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+
+
+def _is_weight(token: str) -> bool:
+    try:
+        value = float(token)
+    except ValueError:
+        return False
+    return math.isfinite(value)
+
+
+def data_parallel_size(cfg: JobConfig, world_size: int) -> int:
+    return world_size // (
+        cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size
+    )
