@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import threading
 
-from deadpool_megatron.checkpoint.tcp_transport import (
+from deadpool_megatron.checkpoint.tcp_connections import (
     Address,
-    TcpTransport,
     connect_ring,
     listen,
     negotiate_pull,
+)
+from deadpool_megatron.checkpoint.tcp_transport import (
+    TcpTransport,
 )
 
 

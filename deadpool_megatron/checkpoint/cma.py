@@ -5,7 +5,7 @@ Replicas between two ranks on one host otherwise cross the kernel twice (the sen
 on cores that train. Open MPI's shared-memory transport moves large messages the same way
 (its "cma" single-copy mechanism). Linux only; the kernel allows it between processes of one
 user unless a security module (Yama's ptrace_scope, a seccomp profile) forbids it, which the
-ring's probe finds out (tcp_transport.negotiate_pull) before any payload depends on it.
+ring's probe finds out (tcp_connections.negotiate_pull) before any payload depends on it.
 """
 
 from __future__ import annotations

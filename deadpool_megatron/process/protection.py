@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from ..checkpoint import tcp_transport
+from ..checkpoint import tcp_connections, tcp_transport
 from ..checkpoint.buffers import Reusable
 from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.transport import GlooTransport, Transport
@@ -98,14 +98,14 @@ def tcp_ring(
     interface that routes to MASTER_ADDR; the ring's members exchange their addresses (a
     collective of the training thread), then connect. With `pull`, a receiver on the sender's
     host reads large messages from the sender's memory itself where the kernel lets it
-    (`tcp_transport.negotiate_pull`)."""
+    (`tcp_connections.negotiate_pull`)."""
     rank = dist.get_rank()
     host = (
-        tcp_transport.interface_address(interface)
+        tcp_connections.interface_address(interface)
         if interface
-        else tcp_transport.reachable_host(master_addr)
+        else tcp_connections.reachable_host(master_addr)
     )
-    listener = tcp_transport.listen(host)
+    listener = tcp_connections.listen(host)
     try:
         addresses = all_gather_ints(_encode(listener.getsockname()), ring)
         members = dict(zip(dist.get_process_group_ranks(ring), map(_decode, addresses),
@@ -116,7 +116,7 @@ def tcp_ring(
     except BaseException:
         listener.close()  # connect_ring closes it otherwise
         raise
-    send_to, recv_from = tcp_transport.connect_ring(
+    send_to, recv_from = tcp_connections.connect_ring(
         rank,
         generation,
         listener,
@@ -125,7 +125,7 @@ def tcp_ring(
         timeout_s,
     )
     try:
-        pulled_by, pull_from = tcp_transport.negotiate_pull(send_to, recv_from, timeout_s, pull)
+        pulled_by, pull_from = tcp_connections.negotiate_pull(send_to, recv_from, timeout_s, pull)
     except BaseException:
         for sock in [*send_to.values(), *recv_from.values()]:
             sock.close()
@@ -143,8 +143,8 @@ def _encode(sockname: tuple) -> list[int]:
     return [6 if family == socket.AF_INET6 else 4, port, *packed]
 
 
-def _decode(values: list[int]) -> tcp_transport.Address:
+def _decode(values: list[int]) -> tcp_connections.Address:
     family, port, *packed = values
     if family == 6:
-        return tcp_transport.Address(socket.inet_ntop(socket.AF_INET6, bytes(packed)), port)
-    return tcp_transport.Address(socket.inet_ntop(socket.AF_INET, bytes(packed[:4])), port)
+        return tcp_connections.Address(socket.inet_ntop(socket.AF_INET6, bytes(packed)), port)
+    return tcp_connections.Address(socket.inet_ntop(socket.AF_INET, bytes(packed[:4])), port)

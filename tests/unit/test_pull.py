@@ -20,18 +20,20 @@ from rings import tcp_ring
 from deadpool_megatron.checkpoint import cma, tcp_transport
 from deadpool_megatron.checkpoint.layout import Entry, StateLayout
 from deadpool_megatron.checkpoint.pipeline import ProtectionPipeline
-from deadpool_megatron.checkpoint.tcp_transport import (
+from deadpool_megatron.checkpoint.tcp_connections import (
     HELLO,
     MAGIC,
-    OFFER,
-    OFFER_MAGIC,
     PROBE,
     PROBE_MAGIC,
-    PULL_MIN_BYTES,
-    TcpTransport,
     connect_ring,
     listen,
     negotiate_pull,
+)
+from deadpool_megatron.checkpoint.tcp_transport import (
+    OFFER,
+    OFFER_MAGIC,
+    PULL_MIN_BYTES,
+    TcpTransport,
 )
 from deadpool_megatron.failure.evidence import is_peer_loss_message
 

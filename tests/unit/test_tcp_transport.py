@@ -19,21 +19,23 @@ from rings import tcp_ring
 from test_replication_stop import NBYTES, OneTensor
 from waiting import until
 
-from deadpool_megatron.checkpoint import tcp_transport
+from deadpool_megatron.checkpoint import tcp_connections
 from deadpool_megatron.checkpoint.pipeline import ProtectionPipeline
 from deadpool_megatron.checkpoint.replicator import FLAG_DATA, HEADER
-from deadpool_megatron.checkpoint.tcp_transport import (
+from deadpool_megatron.checkpoint.tcp_connections import (
     HELLO,
     MAGIC,
     OUTSIDE,
     Address,
-    TcpTransport,
-    TransportAborted,
     _route_to,
     connect_ring,
     interface_address,
     listen,
     reachable_host,
+)
+from deadpool_megatron.checkpoint.tcp_transport import (
+    TcpTransport,
+    TransportAborted,
 )
 from deadpool_megatron.failure.evidence import is_peer_loss_message
 from deadpool_megatron.process.protection import _decode, _encode
@@ -259,7 +261,7 @@ def test_gloo_socket_ifname_names_the_interface_to_listen_on():
 
 
 def test_a_silent_stranger_does_not_hold_the_expected_predecessor(monkeypatch):
-    monkeypatch.setattr(tcp_transport, "HELLO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcp_connections, "HELLO_TIMEOUT_S", 0.2)
     listener = listen("127.0.0.1")
     silent = socket.create_connection(listener.getsockname())  # connects, says nothing
     good = socket.create_connection(listener.getsockname())
