@@ -63,19 +63,19 @@ def main(adapted: bool) -> dict:
         assert fresh_adam_state(opt)
     step(saved, 1)
     step(saved, 2)
-    folder = tempfile.mkdtemp(prefix="upstream_load_")
-    dist_checkpointing.save(sharded(saved, is_loading=False), folder)
     fresh = build_train_state(cfg, on_gpu=False)
     installed = upstream.torch_adam_loads_checkpoints() if adapted else False
     out: dict = {"installed": installed}
-    try:
-        loaded = dist_checkpointing.load(sharded(fresh, is_loading=True), folder)
-        fresh.model[0].module.load_state_dict(loaded["model"])
-        fresh.optimizer.load_state_dict(loaded["optimizer"])
-    except Exception as err:  # what Megatron-LM's --load meets
-        out["error"] = f"{type(err).__name__}: {err}"
-        parallel.destroy_distributed()
-        return out
+    with tempfile.TemporaryDirectory(prefix="upstream_load_") as folder:
+        dist_checkpointing.save(sharded(saved, is_loading=False), folder)
+        try:
+            loaded = dist_checkpointing.load(sharded(fresh, is_loading=True), folder)
+            fresh.model[0].module.load_state_dict(loaded["model"])
+            fresh.optimizer.load_state_dict(loaded["optimizer"])
+        except Exception as err:  # what Megatron-LM's --load meets
+            out["error"] = f"{type(err).__name__}: {err}"
+            parallel.destroy_distributed()
+            return out
     out["loaded_equal"] = all(torch.equal(a, b) for a, b in zip(tensors(saved), tensors(fresh)))
     step(saved, 3)
     step(fresh, 3)
