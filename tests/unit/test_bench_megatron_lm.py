@@ -40,8 +40,15 @@ def _restart(injected: float, detected: float, loaded: float, load_s: float) -> 
     ]
 
 
+STEADY = {i: 10.0 + 0.1 * i for i in range(1, 13)}  # 0.1 s an iteration, nothing lost
+
+
 def _free() -> dict:
-    return bench.analyse(_records({i: 10.0 + 0.1 * i for i in range(1, 13)}), [], 6)
+    return bench.analyse(_records(STEADY), [], 6)
+
+
+def _hot_swapped(digest: str = "d0") -> dict:
+    return bench.analyse(_records(STEADY, digest=digest), _recovery(1.0), 6)
 
 
 def _restarted() -> dict:
@@ -82,23 +89,17 @@ def test_time_lost_is_the_span_not_spent_on_iterations_that_count():
 
 
 def test_a_failure_run_that_is_not_bitwise_equal_fails_the_benchmark():
-    times = {i: 10.0 + 0.1 * i for i in range(1, 13)}
-    free = bench.analyse(_records(times), [], 6)
-    other = bench.analyse(_records(times, digest="d1"), _recovery(1.0), 6)
+    free = _free()
     with pytest.raises(SystemExit, match="bitwise"):
-        bench.summarize([(free, other)], [(_free(), _restarted())])
+        bench.summarize([(free, _hot_swapped("d1"))], [(free, _restarted())])
     with pytest.raises(SystemExit, match="bitwise"):  # the restart's too
-        restarted = _restarted()
-        hot_swapped = bench.analyse(_records(times), _recovery(1.0), 6)
-        bench.summarize([(free, hot_swapped)], [(free, {**restarted, "digest": "d1"})])
+        bench.summarize([(free, _hot_swapped())], [(free, {**_restarted(), "digest": "d1"})])
 
 
 def test_a_failure_run_that_went_another_way_fails_the_benchmark():
     # a "restart" job that hot-swapped instead (or loaded nothing) measures something else
-    times = {i: 10.0 + 0.1 * i for i in range(1, 13)}
-    hot_swapped = bench.analyse(_records(times), _recovery(1.0), 6)
     with pytest.raises(SystemExit, match="logged no restart"):
-        bench.summarize([(_free(), hot_swapped)], [(_free(), hot_swapped)])
+        bench.summarize([(_free(), _hot_swapped())], [(_free(), _hot_swapped())])
 
 
 @pytest.mark.parametrize(
@@ -121,8 +122,6 @@ def test_bad_flags_are_refused_before_any_job(argv, message, capsys):
 
 
 def test_the_plot_draws_both_ways_from_a_summary(tmp_path):
-    times = {i: 10.0 + 0.1 * i for i in range(1, 13)}
-    hot_swapped = bench.analyse(_records(times), _recovery(1.0), 6)
-    summary = bench.summarize([(_free(), hot_swapped)], [(_free(), _restarted())])
+    summary = bench.summarize([(_free(), _hot_swapped())], [(_free(), _restarted())])
     bench.plot(summary, tmp_path / "out.png")
     assert (tmp_path / "out.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
