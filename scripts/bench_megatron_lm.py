@@ -3,12 +3,13 @@
 failure, the recovery's phases and the restart's.
 
 Megatron-LM's own pretrain_gpt.py (the Megatron-LM test's small GPT on mock data: 2 layers,
-hidden 64, PP2 x DP2 on 4 processes, a spare, 12 iterations, CPU/gloo) runs under
-deadpool-launch failure-free and with rank --victim killed as iteration --fail-at starts,
-each both ways: hot-swap (the default policy), and checkpoint-restart (`deadpool-launch
---restart-policy full --max-restarts 1`, with Megatron-LM's `--save`, `--save-interval` and
-`--load` in a fresh folder per job: every process is stopped and the job started again from
-the newest checkpoint), alternating, --repeats times each. A checkout given as a git
+hidden 64, dropout at Megatron-LM's default 0.1, PP2 x DP2 on 4 processes, a spare, 12
+iterations, CPU/gloo) runs under deadpool-launch failure-free and with rank --victim killed
+as iteration --fail-at starts, each both ways: hot-swap (the default policy), and
+checkpoint-restart (`deadpool-launch --restart-policy full --max-restarts 1`, with
+Megatron-LM's `--save`, `--save-interval` and `--load` in a fresh folder per job: every
+process is stopped and the job started again from the newest checkpoint), alternating,
+--repeats times each. A checkout given as a git
 repository (a clone, or the mirror of `fetch github:NVIDIA/Megatron-LM`) is cloned at
 core_v0.16.1 into the work folder and patched by scripts/apply_megatron_patch.sh; a folder
 that is already patched is used as it is.
@@ -69,8 +70,8 @@ MODEL = (
     "--vocab-size 1024 --split 100,0,0 --distributed-backend gloo --transformer-impl local "
     "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion "
     "--no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm "
-    "--use-cpu-initialization --use-distributed-optimizer --attention-dropout 0 "
-    "--hidden-dropout 0 --eval-iters 0 --eval-interval 1000 --log-interval 1 "
+    "--use-cpu-initialization --use-distributed-optimizer --eval-iters 0 "
+    "--eval-interval 1000 --log-interval 1 "
     "--pipeline-model-parallel-size 2 --deadpool --deadpool-heartbeat-interval 0.5 "
     "--deadpool-heartbeat-timeout 2.0"
 ).split()

@@ -8,6 +8,8 @@ same numbers as one that never stopped.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -34,3 +36,15 @@ def restore_rng_state(state: dict) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+@contextmanager
+def rng_kept() -> Iterator[None]:
+    """Every generator as it was before the block, whatever the block drew: for set-up work
+    that draws but must not move the training's streams (a DataLoader iterator draws its
+    workers' base seed from torch's default generator)."""
+    state = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(state)

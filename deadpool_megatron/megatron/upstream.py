@@ -17,6 +17,7 @@ from ..config import JobConfig
 from ..errors import ConfigError
 from ..flags import add_config_flags, build_job_config
 from ..validation import check_model_parallel, validate_deadpool
+from .loaders import KeptLoaders
 from .parallel import destroy_distributed
 
 log = logging.getLogger("deadpool.upstream")
@@ -217,6 +218,47 @@ def torch_adam_loads_checkpoints() -> bool:
 
     return _replace_once(owner, "sharded_state_dict", materialized_first) and _replace_once(
         owner, "load_state_dict", steps_own
+    )
+
+
+def data_iterators_for_hot_swaps(kept: KeptLoaders) -> bool:
+    """Build Megatron-LM's data iterators without moving the training's random streams, and
+    with the loaders (and their worker processes) of this process's previous pretrain() where
+    they serve again (loaders.KeptLoaders says why).
+
+    Each DataLoader iterator draws its workers' base seed from torch's default CPU generator,
+    and pretrain() builds them after the model and optimizer, that is after a hot-swap's
+    restore (or Megatron-LM's `--load`) has set every generator to the state the rolled-back
+    iteration ended with: the resumed iteration then drew other numbers than the run without
+    the failure. Seen 2026-12-05 on CPU with Megatron-LM's default dropout (0.1), whose masks
+    come from that generator there: the final digest differed (dropout 0 hid it). On a GPU
+    dropout draws from the CUDA generator, which the loaders leave alone, so nothing a GPU
+    job draws changes. False where Megatron-LM has no such functions."""
+    from megatron.training import training
+
+    from .rng import rng_kept
+
+    def kept_streams(own: Callable) -> Callable:
+        def build_train_valid_test_data_iterators(*args, **kwargs):
+            reused = kept.reused
+            with rng_kept(), kept.building():
+                iterators = own(*args, **kwargs)
+            if kept.reused > reused:
+                log.info("%d data loader(s) of the previous set-up serve again, their "
+                         "workers with them", kept.reused - reused)  # fmt: skip
+            return iterators
+
+        return build_train_valid_test_data_iterators
+
+    def kept_loader(own: Callable) -> Callable:
+        def build_pretraining_data_loader(*args, **kwargs):
+            fresh = own(*args, **kwargs)
+            return fresh if fresh is None else kept.loader(fresh)
+
+        return build_pretraining_data_loader
+
+    return _replace_once(training, "build_train_valid_test_data_iterators", kept_streams) and (
+        _replace_once(training, "build_pretraining_data_loader", kept_loader)
     )
 
 

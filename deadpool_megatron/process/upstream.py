@@ -31,6 +31,7 @@ from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, cpu_backend, parallel, upstream
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
+from ..megatron.loaders import KeptLoaders
 from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
@@ -328,6 +329,8 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     upstream.cache_field_docstrings()  # every pretrain() of this process parses its flags twice
     upstream.print_arguments_once()
     upstream.torch_adam_loads_checkpoints()  # --load, where megatron-core has no Apex or TE
+    # a hot-swap's resumed iteration draws what it drew; a survivor keeps its data loaders
+    upstream.data_iterators_for_hot_swaps(KeptLoaders())
 
     def parse(env: ProcessEnv) -> JobConfig:
         if not (env.under_launcher or env.preflight):

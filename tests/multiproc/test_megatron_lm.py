@@ -35,7 +35,9 @@ from bench_megatron_lm import python_first  # noqa: E402
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
 
 TAG = "core_v0.16.1"
-# A small GPT on Megatron-LM's mock data, every CUDA-only fusion off, 4 ranks as PP2 x DP2.
+# A small GPT on Megatron-LM's mock data, every CUDA-only fusion off, 4 ranks as PP2 x DP2;
+# dropout at Megatron-LM's default (0.1): on CPU its masks come from the generator that the
+# data loaders draw from (upstream.data_iterators_keep_rng).
 MODEL = shlex.split(
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
     "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 12 "
@@ -43,7 +45,7 @@ MODEL = shlex.split(
     "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
     "--no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-dropout-fusion --no-rope-fusion "
     "--no-persist-layer-norm --use-cpu-initialization --use-distributed-optimizer "
-    "--attention-dropout 0 --hidden-dropout 0 --eval-iters 0 --eval-interval 1000 "
+    "--eval-iters 0 --eval-interval 1000 "
     "--log-interval 1 --pipeline-model-parallel-size 2 --deadpool "
     "--deadpool-heartbeat-interval 0.5 --deadpool-heartbeat-timeout 2.0"
 )
