@@ -262,6 +262,63 @@ def data_iterators_for_hot_swaps(kept: KeptLoaders) -> bool:
     )
 
 
+def restores_skip_load(restoring: Callable[[], bool]) -> bool:
+    """Skip Megatron-LM's `--load` in a pretrain() that a hot-swap runs again to restore
+    (`restoring()` true): every rank would read its checkpoint shard from storage, minutes for
+    a large model, only for the restore from host memory to overwrite it. pretrain() then goes
+    on as without `--load` (iteration 0, its position set by the restore); the floating-point
+    operations count is the session's (`flops_at`). Installed once per process, by its one
+    session. False where Megatron-LM has no such function."""
+    from megatron.training import training
+
+    def skipped_while_restoring(own: Callable) -> Callable:
+        def load_checkpoint(*args, **kwargs):
+            if restoring():
+                log.info("Megatron-LM's --load is skipped: the hot-swap restores the state from "
+                         "host memory")  # fmt: skip
+                return 0, 0
+            return own(*args, **kwargs)
+
+        return load_checkpoint
+
+    return _replace_once(training, "load_checkpoint", skipped_while_restoring)
+
+
+def flops_start() -> tuple[int, float]:
+    """Where Megatron-LM's count of floating-point operations stands as its loop starts: the
+    iteration and the count (from its `--load`, else 0)."""
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    return int(args.iteration), float(args.num_floating_point_operations_so_far)
+
+
+def flops_at(start: tuple[int, float], iteration: int) -> float:
+    """The count at `iteration`, from `start`: Megatron-LM's loop adds one global batch's
+    operations per iteration (`num_floating_point_operations`), the same each iteration
+    since `--rampup-batch-size` is refused with `--deadpool`. Added one iteration at a time
+    as the loop adds them, so that the count is the loop's to the last bit (a product
+    rounds otherwise once counts pass 2**53)."""
+    from megatron.training import training
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    per_iteration = training.num_floating_point_operations(args, args.global_batch_size)
+    count = start[1]
+    if iteration < start[0]:  # not met (a roll-back never goes before a loop's start)
+        return count + (iteration - start[0]) * per_iteration
+    for _ in range(iteration - start[0]):
+        count += per_iteration
+    return count
+
+
+def set_flops(count: float) -> None:
+    """Give Megatron-LM's loop the count it goes on from (train() reads it as it starts)."""
+    from megatron.training.global_vars import get_args
+
+    get_args().num_floating_point_operations_so_far = count
+
+
 def checkpoint_loaded() -> tuple[int, float] | None:
     """The iteration pretrain()'s `--load` resumed from and the seconds its load took
     (Megatron-LM's own `load-checkpoint` timer, read as its one-logger reads it); None where

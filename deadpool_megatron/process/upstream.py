@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from ..checkpoint.pipeline import ProtectionPipeline
@@ -112,6 +113,10 @@ class UpstreamSession(ProtectedLoop):
         # does not ask: ours from process start, and the dropped ones of earlier pretrain()s.
         self._early_signal = exit_signal
         self._exit_notes: list[Callable[[], bool]] = [exit_signal] if exit_signal else []
+        # Megatron-LM's count of floating-point operations where this process's loop last
+        # started (iteration, count); a claimed spare learns it from the others
+        self._flops: tuple[int, float] | None = None
+        upstream.restores_skip_load(self._restoring)
 
     # -- the process ---------------------------------------------------------------------------
     def run(self, pretrain: Callable, args: tuple, kwargs: dict) -> int:
@@ -157,6 +162,10 @@ class UpstreamSession(ProtectedLoop):
                     return self._lost(lost)
         self._finish()
         return 0
+
+    def _restoring(self) -> bool:
+        """Whether the pretrain() running now is a hot-swap's that restores a snapshot."""
+        return self.pending is not None and not self.pending.plan.from_start
 
     def _stop_meeting(self) -> None:
         """Raise once a recovery is ordered while generation 0's groups meet: a peer died
@@ -222,6 +231,7 @@ class UpstreamSession(ProtectedLoop):
                 self.guard.events.emit(CHECKPOINT_LOADED, iteration=loaded[0], load_s=loaded[1])
             self.inject(0, "setup")  # ACTION@R:0:setup, here after Megatron-LM's --load
             self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
+            self._flops = upstream.flops_start()
             return
         phases = {  # the model's share: Megatron-LM's set-up run again, groups included
             "rebuild_communicators": pending.reset_s,
@@ -240,10 +250,26 @@ class UpstreamSession(ProtectedLoop):
             rebuilt = Rebuilt(self.position, state, self.position.on_gpu, phases,
                               pending.old_groups, host, start=start)  # fmt: skip
             self.recovery.complete(pending.plan, rebuilt)
+            if start is None:
+                self._carry_flops(host)
+            else:
+                self._flops = upstream.flops_start()
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure
             raise
         self.takeover = None  # seated: from here on a failure is recovered like any other
+
+    def _carry_flops(self, host: dist.ProcessGroup) -> None:
+        """Megatron-LM's count of floating-point operations at the restored iteration, as the
+        ranks that kept a start count it (a claimed spare has none), for the loop to go on
+        from: pretrain() run again counts from 0 (its `--load` was skipped), and the count
+        is in every checkpoint it saves."""
+        iteration = self.position.iteration
+        mine = -1.0 if self._flops is None else upstream.flops_at(self._flops, iteration)
+        count = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=host)
+        self._flops = (iteration, max(float(count.item()), 0.0))
+        upstream.set_flops(self._flops[1])
 
     def _carry_exit_signal(self) -> None:
         """pretrain() has installed its signal handler (--exit-signal-handler): a signal noted

@@ -220,6 +220,45 @@ def test_upstream_falls_back_to_its_checkpoint_without_a_spare_and_resumes_bitwi
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
+def _saved_flops(save: Path, iteration: int) -> float:
+    """The floating-point operations count Megatron-LM saved with a checkpoint (torch_dist)."""
+    import torch
+
+    common = torch.load(save / f"iter_{iteration:07d}" / "common.pt", weights_only=False)
+    return float(common["num_floating_point_operations_so_far"])
+
+
+def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_saves(
+    megatron_lm, failure_free, tmp_path
+):
+    # With --save and --load (a user's usual pair), a hot-swap's pretrain() run again read
+    # the checkpoint of iteration 4 from storage on every rank before the restore overwrote
+    # it: skipped. Its count of floating-point operations was that checkpoint's, so the
+    # checkpoints saved after the recovery (rolled back to 6, or 5) counted 2 iterations
+    # short (checked: 6 against 8 at iteration 8); the count now comes from the ranks that
+    # kept one (the spare has none) and equals the failure-free run's.
+    losses, final = failure_free
+    args = ["--save-interval", "4"]
+    free_dir, swap_dir = tmp_path / "free_ckpt", tmp_path / "swap_ckpt"
+    _run(
+        megatron_lm,
+        tmp_path,
+        "save_free",
+        [*args, "--save", str(free_dir), "--load", str(free_dir)],
+    )
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, "save_swap",
+        [*args, "--save", str(swap_dir), "--load", str(swap_dir), "--deadpool-inject", "kill@1:7"],
+    )  # fmt: skip
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert output.count("Megatron-LM's --load is skipped") == 4
+    assert "loading distributed checkpoint from" not in output
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+    for iteration in (8, 12):
+        flops = _saved_flops(swap_dir, iteration)
+        assert flops > 0 and flops == _saved_flops(free_dir, iteration)
+
+
 def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(
     megatron_lm, failure_free, tmp_path
 ):
