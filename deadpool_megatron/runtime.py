@@ -131,6 +131,15 @@ def freeze_imports() -> None:
         _FORKS_FREEZE = True
 
 
+def freeze_survivors() -> None:
+    """Collect, then leave everything still alive out of every later collection, as
+    freeze_imports does for the imports: for the caches a process builds once, after its
+    imports and before any model (Megatron-LM's JIT warm-up: torch.compile's inductor
+    tables, some 150,000 objects, which every collection after a recovery walked again)."""
+    gc.collect()
+    gc.freeze()
+
+
 PR_SET_PDEATHSIG = 1
 
 

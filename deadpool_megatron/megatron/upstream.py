@@ -99,7 +99,7 @@ def reset_global_state() -> None:
     destroy_distributed()
 
 
-def jit_warmup(restoring: bool) -> None:
+def jit_warmup(restoring: bool, then: Callable[[], None] | None = None) -> None:
     """Before pretrain() runs again: skip Megatron-LM's JIT warm-up
     (initialize._warmup_jit_function) when a restore follows the set-up, keep it when the plan
     sets every rank up from the start. It compiles the fused bias-GeLU and bias-dropout-add
@@ -108,12 +108,22 @@ def jit_warmup(restoring: bool) -> None:
     phase here, with both fusions off). Survivors compiled them in generation 0; a used fused
     function compiles at its first call instead; the random draws it skips are overwritten by
     the restore, which sets every generator's state. From the start nothing is restored: the
-    draws must be those of generation 0's set-up, which the model's initialization follows."""
+    draws must be those of generation 0's set-up, which the model's initialization follows.
+    `then` runs after a warm-up that runs (it is over before the model is built)."""
     from megatron.training import initialize
 
     # Megatron-LM's own, kept beside it the first time ours stands in
     own = vars(initialize).setdefault("_deadpool_jit_warmup", initialize._warmup_jit_function)
-    warmup = _no_jit_warmup if restoring else own
+    if restoring:
+        warmup = _no_jit_warmup
+    elif then is None:
+        warmup = own
+    else:
+
+        def warmup() -> None:
+            own()
+            then()
+
     if initialize._warmup_jit_function is not warmup:
         initialize._warmup_jit_function = warmup
         if restoring:

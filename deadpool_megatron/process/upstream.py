@@ -37,7 +37,7 @@ from ..megatron.model import TrainState, train_state
 from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
 from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
-from ..runtime import ProcessEnv, freeze_imports
+from ..runtime import ProcessEnv, freeze_imports, freeze_survivors
 from .exit_signal import ExitSignal
 from .session import ProtectedLoop, serving
 from .worker import Takeover, open_store, watch
@@ -123,6 +123,8 @@ class UpstreamSession(ProtectedLoop):
         plan = None
         if self.takeover is not None:
             plan = self.recovery.takeover_plan(self.takeover.generation)
+        else:  # what generation 0's JIT warm-up compiles lives as long as the process
+            upstream.jit_warmup(restoring=False, then=freeze_survivors)
         while True:
             try:
                 if plan is not None:

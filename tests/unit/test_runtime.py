@@ -66,3 +66,29 @@ def test_a_forked_child_never_collects_what_it_inherited():
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["finalized in the parent"]
+
+
+SURVIVORS = """
+import gc, weakref
+from deadpool_megatron.runtime import freeze_survivors
+gc.disable()
+
+class Node:
+    pass
+
+garbage = Node()
+garbage.me = garbage  # a cycle nothing holds: collected, not frozen
+dead = weakref.ref(garbage)
+del garbage
+cache = Node()  # alive, as torch.compile's tables after the JIT warm-up
+cache.me = cache
+freeze_survivors()
+print(dead() is None, any(o is cache for o in gc.get_objects()))
+"""
+
+
+def test_freeze_survivors_collects_garbage_first_and_leaves_the_living_out():
+    done = subprocess.run([sys.executable, "-c", SURVIVORS], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
