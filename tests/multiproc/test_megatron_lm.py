@@ -224,6 +224,26 @@ def test_upstream_falls_back_to_its_checkpoint_without_a_spare_and_resumes_bitwi
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
+def test_upstream_two_failures_are_hot_swapped_in_turn_and_survivors_keep_their_loaders(
+    megatron_lm, failure_free, tmp_path
+):
+    # Rank 1 dies in iteration 5, rank 2 in iteration 9, two spares: each survivor's
+    # pretrain() run again gets its data loaders (and their worker processes) back, the first
+    # spare's too once it survives the second failure; every loss and the digest are the
+    # failure-free run's.
+    losses, final = failure_free
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, "twice", ["--deadpool-inject", "kill@1:5,kill@2:9"], spares=2
+    )  # fmt: skip
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert "spare 1 claimed: takes over rank 2 in generation 2" in output
+    kept = re.findall(r"\[(worker \d|spare \d)\] .* 3 data loader\(s\) of the previous set-up "
+                      r"serve again", output)  # fmt: skip
+    assert sorted(kept) == ["spare 0", "worker 0", "worker 0", "worker 2", "worker 3",
+                            "worker 3"], kept  # fmt: skip
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
 def _saved_flops(save: Path, iteration: int) -> float:
     """The floating-point operations count Megatron-LM saved with a checkpoint (torch_dist)."""
     import torch
