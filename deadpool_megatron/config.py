@@ -217,7 +217,7 @@ class DeadpoolConfig:
         "Seconds without progress allowed in phases known to be slow: checkpoint saves, the "
         "first two iterations of a process, and a recovery (also how long a process waits for "
         "a recovery's order, plan and rendezvous; and how long a node's lease may stand still "
-        "before the job is up or any of its processes has beaten).",
+        "before the job is up).",
     )
     deadpool_health_check_interval: float = knob(
         5.0,

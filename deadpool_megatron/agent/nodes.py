@@ -121,7 +121,6 @@ class _Seen:
     own_at: int  # this agent's own renewals by then
     beats: tuple = ()  # the last heartbeats seen of the processes its lease lists
     beats_moved_at: float = 0.0
-    beaten: bool = False  # whether any process its leases listed has beaten yet
 
 
 class NodeWatch:
@@ -146,13 +145,7 @@ class NodeWatch:
     instead: no process beats yet, every node's processes are importing and building their
     models at once (a loaded machine can starve an agent's thread for seconds; seen on CI),
     and a node lost then ends the whole job, so a false accusation costs the job, not a
-    hot-swap. A node really lost at start-up only ends the job later. So may the lease of a
-    node none of whose processes has beaten yet, the job up or not: processes beat from the
-    end of their first iteration on, and until then they build, compile and warm up at once
-    with nothing but the lease to speak for their node (CI, 2026-12-05: Megatron-LM's set-up
-    on three local Slurm nodes starved a registered node's agent past the 2 s node timeout,
-    and that node was counted lost). A node lost then is found at the start-up timeout, as
-    its processes' peers find it: waiting for it in their first collectives."""
+    hot-swap. A node really lost at start-up only ends the job later."""
 
     def __init__(
         self,
@@ -202,17 +195,14 @@ class NodeWatch:
         for node, beat in beats.items():
             seen = self._seen.get(node)
             if beat is not None and (seen is None or beat.seq != seen.beat.seq):
-                beats = self._beats(beat)
-                beaten = any(b is not None for b in beats) or (seen is not None and seen.beaten)
-                self._seen[node] = _Seen(beat, now, own, beats, now, beaten)
+                self._seen[node] = _Seen(beat, now, own, self._beats(beat), now)
                 continue
             if seen is None:
                 continue
             # followed from the lease's first miss
             beating = self._still_beating(seen, now, timeout_s)
             if (
-                now - max(seen.moved_at, self._term_seen_at)
-                > (timeout_s if seen.beaten else self.startup_timeout_s)
+                now - max(seen.moved_at, self._term_seen_at) > timeout_s
                 and own - seen.own_at >= self._own_needed
                 and not beating
             ):
@@ -232,7 +222,6 @@ class NodeWatch:
         beats = self._beats(seen.beat)
         if beats != seen.beats:
             seen.beats, seen.beats_moved_at = beats, now
-        seen.beaten = seen.beaten or any(b is not None for b in beats)
         return now - seen.beats_moved_at <= timeout_s
 
     def last(self, node: int) -> AgentBeat | None:

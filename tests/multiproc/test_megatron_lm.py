@@ -391,9 +391,13 @@ def test_upstream_under_sbatch_hot_swaps_a_lost_node_onto_the_spare_node_bitwise
     losses, final, _ = _run(megatron_lm, tmp_path, "failure_free_dp4", DP4)
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     # No zygote: the node's fork server must be in its agent's process tree, which the loss
-    # below kills (as in test_multinode.py).
+    # below kills (as in test_multinode.py). A node timeout of 5 s, not 2: Megatron-LM's
+    # set-up in six processes on this 2-core machine once starved node 1's agent past 2 s
+    # after every rank had registered (2026-12-05), and that node was counted lost (a
+    # false accusation then costs a hot-swap, which the job survived, but not the test).
     job = submit(
-        slurm, tmp_path, run_dir, 3, 1, [*MODEL, *DP4, "--deadpool-metrics-jsonl", str(metrics)],
+        slurm, tmp_path, run_dir, 3, 1,
+        [*MODEL, *DP4, "--deadpool-node-timeout", "5", "--deadpool-metrics-jsonl", str(metrics)],
         zygote=False, nproc=2,
         env={"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent)},
     )  # fmt: skip
