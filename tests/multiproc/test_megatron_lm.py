@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
 TAG = "core_v0.16.1"
 # A small GPT on Megatron-LM's mock data, every CUDA-only fusion off, 4 ranks as PP2 x DP2;
 # dropout at Megatron-LM's default (0.1): on CPU its masks come from the generator that the
-# data loaders draw from (upstream.data_iterators_keep_rng).
+# data loaders draw from (upstream.data_iterators_for_hot_swaps).
 MODEL = shlex.split(
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
     "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --train-iters 12 "

@@ -1,7 +1,7 @@
 """Building a DataLoader's iterator draws from torch's default generator (its workers' base
 seed); under `rng_kept` the numbers drawn after it are those drawn without it. Megatron-LM's
 pretrain() builds its data iterators after a hot-swap's restore, so without this the resumed
-iteration's dropout masks differed on CPU (upstream.data_iterators_keep_rng)."""
+iteration's dropout masks differed on CPU (upstream.data_iterators_for_hot_swaps)."""
 
 from __future__ import annotations
 
