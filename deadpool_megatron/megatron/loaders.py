@@ -13,13 +13,10 @@ has none to keep and builds its own.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from torch.utils.data import DataLoader
-
-log = logging.getLogger("deadpool.upstream")
 
 # The sampler whose place is all its `consumed_samples`: Megatron-LM's sequential one
 # (--dataloader-type single, its default). The random one (cyclic) also sets its dataset's
