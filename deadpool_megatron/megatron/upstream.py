@@ -12,6 +12,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..config import JobConfig
 from ..errors import ConfigError
@@ -57,6 +58,24 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def _train_iters(iters: int | None, samples: int | None, global_batch: int) -> int:
+    """The iterations a run trains: --train-iters, or for a sample-based run as Megatron-LM's
+    update_train_iters counts them without a batch-size ramp (whole global batches)."""
+    if (iters is None) == (samples is None):
+        given = "both" if iters is not None else "neither"
+        raise ConfigError(
+            f"--deadpool with Megatron-LM needs --train-iters or --train-samples (got {given})"
+        )
+    if samples is None:
+        return iters
+    if samples < global_batch:
+        raise ConfigError(
+            f"--train-samples {samples} is less than one global batch ({global_batch}): "
+            f"use at least {global_batch}"
+        )
+    return samples // global_batch
+
+
 def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
     """DeadPool's view of a Megatron-LM command line; raises ConfigError naming a bad value.
     Megatron-LM parses and checks the rest itself."""
@@ -66,6 +85,7 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
             parser.add_argument(flag, action="store_true", default=default)
         else:
             parser.add_argument(flag, type=kind, default=default)
+    parser.add_argument("--train-samples", type=int, default=None)  # no JobConfig field
     add_arguments(parser)
     ns, _ = parser.parse_known_args(argv)
     if _given(argv, "--inprocess-restart"):
@@ -81,10 +101,11 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
     dp = check_model_parallel(
         world_size, ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
     )
-    if ns.micro_batch_size is None or ns.train_iters is None:
-        raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size and --train-iters")
+    if ns.micro_batch_size is None:
+        raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size")
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp
+    ns.train_iters = _train_iters(ns.train_iters, ns.train_samples, ns.global_batch_size)
     cfg = build_job_config(ns)
     validate_deadpool(cfg, dp)
     return cfg
@@ -294,39 +315,66 @@ def restores_skip_load(restoring: Callable[[], bool]) -> bool:
     return _replace_once(training, "load_checkpoint", skipped_while_restoring)
 
 
-def flops_start() -> tuple[int, float]:
-    """Where Megatron-LM's count of floating-point operations stands as its loop starts: the
-    iteration and the count (from its `--load`, else 0)."""
-    from megatron.training.global_vars import get_args
+@dataclass(frozen=True)
+class LoopCounts:
+    """What Megatron-LM's loop counts beside the iteration, in its args, and saves with every
+    checkpoint: floating-point operations and validation samples consumed. A hot-swap's
+    pretrain() run again counts both from 0 (its `--load` is skipped), and a sample-based run
+    (--train-samples) would even validate from the first sample again: the ranks that kept
+    where their loop started carry both to the restored iteration. Both follow from the
+    iteration alone once the loop runs (--rampup-batch-size is refused with --deadpool)."""
 
-    args = get_args()
-    return int(args.iteration), float(args.num_floating_point_operations_so_far)
+    iteration: int  # where the loop started
+    flops: float
+    valid_samples: int
+    flops_per_iteration: float
+    valid_per_evaluation: int  # samples one evaluation consumes; 0 where the loop has none
+    eval_interval: int
+
+    def at(self, iteration: int) -> tuple[float, int]:
+        """The two counts after `iteration`: one global batch's operations per iteration,
+        added one at a time as the loop adds them (a product rounds otherwise once counts
+        pass 2**53), and one evaluation's samples at every --eval-interval."""
+        flops = self.flops
+        if iteration < self.iteration:  # not met (a roll-back never goes before the start)
+            flops += (iteration - self.iteration) * self.flops_per_iteration
+        for _ in range(iteration - self.iteration):
+            flops += self.flops_per_iteration
+        evaluations = 0
+        if self.eval_interval:
+            evaluations = iteration // self.eval_interval - self.iteration // self.eval_interval
+        return flops, self.valid_samples + evaluations * self.valid_per_evaluation
 
 
-def flops_at(start: tuple[int, float], iteration: int) -> float:
-    """The count at `iteration`, from `start`: Megatron-LM's loop adds one global batch's
-    operations per iteration (`num_floating_point_operations`), the same each iteration
-    since `--rampup-batch-size` is refused with `--deadpool`. Added one iteration at a time
-    as the loop adds them, so that the count is the loop's to the last bit (a product
-    rounds otherwise once counts pass 2**53)."""
+def loop_counts() -> LoopCounts:
+    """Megatron-LM's counts as its loop starts (train() has read them, its data iterators are
+    built): from its `--load`, from 0, or as a hot-swap carried them."""
     from megatron.training import training
     from megatron.training.global_vars import get_args
 
     args = get_args()
-    per_iteration = training.num_floating_point_operations(args, args.global_batch_size)
-    count = start[1]
-    if iteration < start[0]:  # not met (a roll-back never goes before a loop's start)
-        return count + (iteration - start[0]) * per_iteration
-    for _ in range(iteration - start[0]):
-        count += per_iteration
-    return count
+    per_evaluation = 0
+    if args.do_valid and args.eval_interval:  # train() evaluates at every --eval-interval
+        sets = args.eval_iters if isinstance(args.eval_iters, list) else [args.eval_iters]
+        per_evaluation = sum(sets) * args.global_batch_size  # evaluate(): a global batch each
+    return LoopCounts(
+        iteration=int(args.iteration),
+        flops=float(args.num_floating_point_operations_so_far),
+        valid_samples=int(args.consumed_valid_samples),
+        flops_per_iteration=training.num_floating_point_operations(args, args.global_batch_size),
+        valid_per_evaluation=per_evaluation,
+        eval_interval=int(args.eval_interval or 0),
+    )
 
 
-def set_flops(count: float) -> None:
-    """Give Megatron-LM's loop the count it goes on from (train() reads it as it starts)."""
+def set_counts(flops: float, valid_samples: int) -> None:
+    """Give Megatron-LM's set-up the counts it goes on from: train() reads the operations,
+    the validation data loader starts after the samples."""
     from megatron.training.global_vars import get_args
 
-    get_args().num_floating_point_operations_so_far = count
+    args = get_args()
+    args.num_floating_point_operations_so_far = flops
+    args.consumed_valid_samples = valid_samples
 
 
 def checkpoint_loaded() -> tuple[int, float] | None:

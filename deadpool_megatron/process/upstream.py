@@ -113,9 +113,10 @@ class UpstreamSession(ProtectedLoop):
         # does not ask: ours from process start, and the dropped ones of earlier pretrain()s.
         self._early_signal = exit_signal
         self._exit_notes: list[Callable[[], bool]] = [exit_signal] if exit_signal else []
-        # Megatron-LM's count of floating-point operations where this process's loop last
-        # started (iteration, count); a claimed spare learns it from the others
-        self._flops: tuple[int, float] | None = None
+        # Megatron-LM's counts where this process's loop last started (a claimed spare
+        # learns them from the others), and whether this set-up's loop has started
+        self._counts: upstream.LoopCounts | None = None
+        self._loop_started = False
         upstream.restores_skip_load(self._restoring)
 
     # -- the process ---------------------------------------------------------------------------
@@ -227,13 +228,13 @@ class UpstreamSession(ProtectedLoop):
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
+        self._loop_started = False
         if pending is None:
             loaded = upstream.checkpoint_loaded()
             if loaded is not None and self.env.rank == 0:  # a restart, or a job resumed
                 self.guard.events.emit(CHECKPOINT_LOADED, iteration=loaded[0], load_s=loaded[1])
             self.inject(0, "setup")  # ACTION@R:0:setup, here after Megatron-LM's --load
             self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
-            self._flops = upstream.flops_start()
             return
         phases = {  # the model's share: Megatron-LM's set-up run again, groups included
             "rebuild_communicators": pending.reset_s,
@@ -253,25 +254,22 @@ class UpstreamSession(ProtectedLoop):
                               pending.old_groups, host, start=start)  # fmt: skip
             self.recovery.complete(pending.plan, rebuilt)
             if start is None:
-                self._carry_flops(host)
-            else:
-                self._flops = upstream.flops_start()
+                self._carry_counts(host)
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure
             raise
         self.takeover = None  # seated: from here on a failure is recovered like any other
 
-    def _carry_flops(self, host: dist.ProcessGroup) -> None:
-        """Megatron-LM's count of floating-point operations at the restored iteration, as the
-        ranks that kept a start count it (a claimed spare has none), for the loop to go on
-        from: pretrain() run again counts from 0 (its `--load` was skipped), and the count
-        is in every checkpoint it saves."""
-        iteration = self.position.iteration
-        mine = -1.0 if self._flops is None else upstream.flops_at(self._flops, iteration)
-        count = torch.tensor([mine], dtype=torch.float64)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=host)
-        self._flops = (iteration, max(float(count.item()), 0.0))
-        upstream.set_flops(self._flops[1])
+    def _carry_counts(self, host: dist.ProcessGroup) -> None:
+        """Megatron-LM's counts at the restored iteration (LoopCounts), as the ranks that kept
+        where their loop started count them (a claimed spare has none), for the set-up and
+        the loop to go on from (float64: the operations are one already, the samples are
+        far below 2**53)."""
+        mine = (-1.0, -1) if self._counts is None else self._counts.at(self.position.iteration)
+        counts = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=host)
+        flops, valid_samples = counts.tolist()
+        upstream.set_counts(max(flops, 0.0), max(int(valid_samples), 0))
 
     def _carry_exit_signal(self) -> None:
         """pretrain() has installed its signal handler (--exit-signal-handler): a signal noted
@@ -304,6 +302,8 @@ class UpstreamSession(ProtectedLoop):
 
     def before_step(self, iteration: int) -> None:
         self._step_started = time.perf_counter()
+        if not self._loop_started:  # this set-up's loop starts: what it counts from
+            self._counts, self._loop_started = upstream.loop_counts(), True
         super().before_step(iteration)
 
     def after_step(self, iteration: int, loss_dict: dict) -> None:

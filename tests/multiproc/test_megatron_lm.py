@@ -81,12 +81,13 @@ def megatron_lm(tmp_path_factory) -> Path:
 
 
 def _run(
-    checkout: Path, tmp_path: Path, name: str, extra: list[str], spares: int = 1
-) -> tuple[dict, dict, str]:
+    checkout: Path, tmp_path: Path, name: str, extra: list[str], spares: int = 1,
+    model: list[str] = MODEL,
+) -> tuple[dict, dict, str]:  # fmt: skip
     metrics = tmp_path / f"{name}.jsonl"
     cmd = [
         sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
-        "--spares", str(spares), "pretrain_gpt.py", *MODEL,
+        "--spares", str(spares), "pretrain_gpt.py", *model,
         "--deadpool-metrics-jsonl", str(metrics), *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(checkout.parent)}
@@ -244,12 +245,23 @@ def test_upstream_two_failures_are_hot_swapped_in_turn_and_survivors_keep_their_
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
-def _saved_flops(save: Path, iteration: int) -> float:
-    """The floating-point operations count Megatron-LM saved with a checkpoint (torch_dist)."""
+def _saved_counts(save: Path, iteration: int) -> tuple[float, int, int]:
+    """What Megatron-LM counted in a checkpoint it saved (torch_dist): floating-point
+    operations, training and validation samples consumed."""
     import torch
 
     common = torch.load(save / f"iter_{iteration:07d}" / "common.pt", weights_only=False)
-    return float(common["num_floating_point_operations_so_far"])
+    args = common["args"]
+    return (float(common["num_floating_point_operations_so_far"]),
+            args.consumed_train_samples, args.consumed_valid_samples)  # fmt: skip
+
+
+# The same 12 iterations, sample-based (--train-samples, as Megatron-LM's GPT-3 scripts
+# train), validating 2 global batches every 3 iterations on a tenth of the mock data.
+BY_SAMPLES = [a for a in MODEL if a not in ("--train-iters", "12")] + shlex.split(
+    "--train-samples 96 --split 90,10,0 --eval-iters 2 --eval-interval 3"
+)
+VALIDATION = re.compile(r"validation loss at iteration \d+.*? \| lm loss value: \S+")
 
 
 def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_saves(
@@ -257,30 +269,35 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
 ):
     # With --save and --load (a user's usual pair), a hot-swap's pretrain() run again read
     # the checkpoint of iteration 4 from storage on every rank before the restore overwrote
-    # it: skipped. Its count of floating-point operations was that checkpoint's, so the
-    # checkpoints saved after the recovery (rolled back to 6, or 5) counted 2 iterations
-    # short (checked: 6 against 8 at iteration 8); the count now comes from the ranks that
-    # kept one (the spare has none) and equals the failure-free run's.
+    # it: skipped. Its counts came from that checkpoint, so after the recovery (rolled back
+    # to 6, or 5) the checkpoints counted 2 iterations' floating-point operations short
+    # (checked: 6 against 8 at iteration 8), and a sample-based run validated from its first
+    # sample again (the losses at 9 and 12 differed, checked); the ranks that kept where
+    # their loop started now carry both (the spare has none), as the failure-free run counts.
     losses, final = failure_free
     args = ["--save-interval", "4"]
     free_dir, swap_dir = tmp_path / "free_ckpt", tmp_path / "swap_ckpt"
-    _run(
-        megatron_lm,
-        tmp_path,
-        "save_free",
-        [*args, "--save", str(free_dir), "--load", str(free_dir)],
-    )
+    _, _, free_output = _run(
+        megatron_lm, tmp_path, "save_free",
+        [*args, "--save", str(free_dir), "--load", str(free_dir)], model=BY_SAMPLES,
+    )  # fmt: skip
     got, got_final, output = _run(
         megatron_lm, tmp_path, "save_swap",
         [*args, "--save", str(swap_dir), "--load", str(swap_dir), "--deadpool-inject", "kill@1:7"],
+        model=BY_SAMPLES,
     )  # fmt: skip
     assert "spare 0 claimed: takes over rank 1 in generation 1" in output
     assert output.count("Megatron-LM's --load is skipped") == 4
     assert "loading distributed checkpoint from" not in output
+    # validation does not touch the training: its losses are the iteration-based run's
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+    validated = VALIDATION.findall(free_output)
+    assert len(validated) == 6, validated  # at 3, 6, 9 and 12, then the end's two sets
+    assert VALIDATION.findall(output) == validated
     for iteration in (8, 12):
-        flops = _saved_flops(swap_dir, iteration)
-        assert flops > 0 and flops == _saved_flops(free_dir, iteration)
+        counts = _saved_counts(swap_dir, iteration)
+        assert counts == _saved_counts(free_dir, iteration)
+        assert counts[0] > 0 and counts[1:] == (8 * iteration, 16 * (iteration // 3))
 
 
 def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(

@@ -13,7 +13,12 @@ import pytest
 
 from deadpool_megatron import hooks
 from deadpool_megatron.errors import ConfigError
-from deadpool_megatron.megatron.upstream import ends_after, parse_job_config, slow_work_after
+from deadpool_megatron.megatron.upstream import (
+    LoopCounts,
+    ends_after,
+    parse_job_config,
+    slow_work_after,
+)
 from deadpool_megatron.runtime import ENV_ROLE
 
 PATCHES = Path(__file__).resolve().parents[2] / "patches"
@@ -74,11 +79,40 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         ([*BASE, "--deadpool", "--pipeline-model-parallel-size", "4"], 4, "data-parallel size"),
         ([*BASE, "--deadpool", "--exit-interval", "8", "--deadpool-inject", "kill@1:10:finish"],
          4, "last iteration, 8, not after 10"),  # Megatron-LM's train() exits there
+        (["--micro-batch-size", "2", "--use-distributed-optimizer", "--deadpool"], 4,
+         r"--train-iters or --train-samples \(got neither\)"),
+        ([*BASE, "--train-samples", "80", "--deadpool"], 4, r"\(got both\)"),
+        (["--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "7",
+          "--use-distributed-optimizer", "--deadpool"], 4,
+         r"--train-samples 7 is less than one global batch \(8\): use at least 8"),
     ],
 )  # fmt: skip
 def test_parse_job_config_names_the_bad_value(argv, world, message):
     with pytest.raises(ConfigError, match=message):
         parse_job_config(argv, world)
+
+
+def test_a_sample_based_run_trains_whole_global_batches_as_megatron_lm_counts_them():
+    argv = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "100",
+            "--use-distributed-optimizer", "--deadpool", "--deadpool-inject", "kill@1:12:finish"]  # fmt: skip
+    assert parse_job_config(argv, world_size=4).training.train_iters == 12  # 100 // 8
+    with pytest.raises(ConfigError, match="last iteration, 12, not after 13"):
+        parse_job_config([*argv[:-1], "kill@1:13:finish"], world_size=4)
+
+
+def test_loop_counts_at_an_iteration_are_what_megatron_lms_loop_counts_there():
+    # From a loop that started at 4 (a --load's): 3 flops per iteration, 16 validation
+    # samples at every multiple of 3 (an evaluation there comes before any save or failure).
+    start = LoopCounts(iteration=4, flops=12.0, valid_samples=16, flops_per_iteration=3.0,
+                       valid_per_evaluation=16, eval_interval=3)  # fmt: skip
+    assert start.at(4) == (12.0, 16)
+    assert start.at(5) == (15.0, 16)  # no evaluation since the start's (at 3)
+    assert [start.at(i)[1] for i in (5, 6, 8, 9, 12)] == [16, 32, 32, 48, 64]
+    assert start.at(12) == (36.0, 64)
+    # added one iteration at a time as the loop adds them, not multiplied (which rounds)
+    big = LoopCounts(iteration=0, flops=2.0**53, valid_samples=0, flops_per_iteration=1.0,
+                     valid_per_evaluation=0, eval_interval=0)  # fmt: skip
+    assert big.at(2) == (2.0**53, 0)  # each +1 rounds away, as in the loop (a product: +2)
 
 
 def test_evaluations_and_saves_after_a_step_are_marked_as_slow_phases():
