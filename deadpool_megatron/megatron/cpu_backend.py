@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 import types
 
@@ -142,6 +143,16 @@ def _nvtx_namespace() -> types.SimpleNamespace:
     )
 
 
+def _cpu_properties() -> types.SimpleNamespace:
+    """What the CPU view says a device is, where Megatron-LM asks (its argument checks ask
+    for the architecture when tensor or context parallel: compute capability 0.0 here, so
+    its pre-Blackwell rules apply, CUDA_DEVICE_MAX_CONNECTIONS=1 among them)."""
+    return types.SimpleNamespace(
+        name="cpu", major=0, minor=0, multi_processor_count=os.cpu_count() or 1,
+        total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    )  # fmt: skip
+
+
 def _build_cuda_view(claim_available: bool) -> types.ModuleType:
     cuda = types.ModuleType("torch.cuda")
     cuda.__dict__.update(torch.cuda.__dict__)
@@ -151,6 +162,8 @@ def _build_cuda_view(claim_available: bool) -> types.ModuleType:
         cuda.is_available = lambda: True
     cuda.set_device = lambda *a, **k: None
     cuda.device_count = lambda: 1
+    cuda.get_device_properties = lambda *a, **k: _cpu_properties()
+    cuda.get_device_capability = lambda *a, **k: (0, 0)
     cuda.synchronize = lambda *a, **k: None
     cuda.empty_cache = lambda: None
     cuda.Stream = _NullStream

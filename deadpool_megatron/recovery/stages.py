@@ -77,6 +77,7 @@ from .exchange import (
 from .held import Held
 from .kept import Kept, keep_or_build
 from .leftovers import LeftBehind
+from .own_failure import OwnFailure, caused_here
 from .plan import RecoveryPlan, anyone_builds, check_plan, generation_problems
 from .release import collect_left_behind
 from .transfer import transfer_state
@@ -154,6 +155,7 @@ class ProcessRecovery:
         self.trained = False
         self.bytes_moved = 0
         self._failed_iteration = 0
+        self._own = OwnFailure()  # the own error that started the recovery under way
         self._spent = 0  # the newest generation whose store prefix an attempt used
         self._resumed: Resumed | None = None  # a recovery awaiting its first iteration
         # Process groups of the generations left behind, released after the collection.
@@ -208,7 +210,9 @@ class ProcessRecovery:
         if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
             self.report(err)  # the agent classifies it
         where = "set-up" if trainer is None else f"iteration {trainer.iteration + 1}"
-        log.warning("%s stopped: %s: %s", where, type(err).__name__, err)
+        own = self._own.interrupted(err)  # its traceback: what a user needs to fix it
+        log.warning("%s stopped: %s: %s", where, type(err).__name__, err,
+                    exc_info=err if own else None)  # fmt: skip
         if trainer is None:
             self.abort.abort()
         else:
@@ -489,11 +493,20 @@ class ProcessRecovery:
         collect_left_behind(self.ctx.generation, retired, self.models)
 
     def failed_attempt(self, generation: int, err: Exception, trainer: Trainer | None) -> None:
+        """An attempt failed: wait for a newer order, unless it failed with the very error
+        that started the recovery (own_failure.py): then raise RecoveryFailed."""
+        repeated = self._own.repeated(err)
         log.warning("recovery into generation %d failed: %s: %s", generation,
-                    type(err).__name__, err)  # fmt: skip
+                    type(err).__name__, err,
+                    exc_info=err if caused_here(err) and not repeated else None)  # fmt: skip
         self.abort.abort()
         self._keep(trainer.detach() if trainer is not None else None)
         self._spent = max(self._spent, generation)  # its store prefix is spent: never retry
+        if repeated:
+            raise RecoveryFailed(
+                f"recovery into generation {generation} failed with the error that started "
+                f"it ({type(err).__name__}: {err}); it would fail the same way again"
+            ) from err
 
     # -- after the first resumed iteration -----------------------------------------------------
     def after_iteration(self, trainer: Trainer) -> None:

@@ -80,23 +80,33 @@ def megatron_lm(tmp_path_factory) -> Path:
     return checkout
 
 
-def _run(
+def _launch(
     checkout: Path, tmp_path: Path, name: str, extra: list[str], spares: int = 1,
-    model: list[str] = MODEL,
-) -> tuple[dict, dict, str]:  # fmt: skip
-    metrics = tmp_path / f"{name}.jsonl"
+    model: list[str] = MODEL, env: dict[str, str] | None = None,
+) -> tuple[int, str]:  # fmt: skip
+    """deadpool-launch runs the job (output under tmp_path/NAME.log): exit status, output."""
     cmd = [
         sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
         "--spares", str(spares), "pretrain_gpt.py", *model,
-        "--deadpool-metrics-jsonl", str(metrics), *extra,
+        "--deadpool-metrics-jsonl", str(tmp_path / f"{name}.jsonl"), *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(checkout.parent)}
-    done = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
+    # Megatron-LM's check for tensor parallel reads this one: set by the tests that need it
+    run_env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    run_env.update(PYTHONPATH=str(ROOT), PATH=python_first(checkout.parent), **(env or {}))
+    done = subprocess.run(cmd, cwd=checkout, env=run_env, capture_output=True, text=True,
                           timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
     output = done.stdout + done.stderr
     (tmp_path / f"{name}.log").write_text(output)
-    assert done.returncode == 0, output[-6000:]
-    losses, final = read_metrics(str(metrics))
+    return done.returncode, output
+
+
+def _run(
+    checkout: Path, tmp_path: Path, name: str, extra: list[str], **how
+) -> tuple[dict, dict, str]:
+    """The job, which must succeed: its per-iteration losses, final record, output."""
+    returncode, output = _launch(checkout, tmp_path, name, extra, **how)
+    assert returncode == 0, output[-6000:]
+    losses, final = read_metrics(str(tmp_path / f"{name}.jsonl"))
     return losses, final, output
 
 
@@ -243,6 +253,44 @@ def test_upstream_two_failures_are_hot_swapped_in_turn_and_survivors_keep_their_
     assert sorted(kept) == ["spare 0", "worker 0", "worker 0", "worker 2", "worker 3",
                             "worker 3"], kept  # fmt: skip
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+TP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]
+
+
+def test_upstream_tensor_parallel_hot_swap_takes_parameters_from_the_same_shard_bitwise(
+    megatron_lm, tmp_path
+):
+    # TP2 x DP2 (Megatron-LM orders ranks tensor-parallel first): rank 1 holds tensor shard 1
+    # of data-parallel replica 0, so its parameters come from rank 3 (shard 1 of replica 1)
+    # and its optimizer shard from its ring replica. Megatron-LM requires
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallel before Blackwell; the CPU view says
+    # compute capability 0.0.
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    losses, final, _ = _run(megatron_lm, tmp_path, "tp_free", TP2, env=env)
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, "tp_swap", [*TP2, "--deadpool-inject", "kill@1:7"], env=env
+    )
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert re.search(r"transfers: parameters 3->1, replica \d->1", output), output[-3000:]
+    assert sorted(losses) == list(range(1, 13))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_set_up_that_fails_again_the_same_way_ends_the_job_with_its_traceback(
+    megatron_lm, tmp_path
+):
+    # Tensor parallel without CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-LM's argument check
+    # fails on every rank, in the set-up and again in the recovery's set-up. Each rank logs
+    # its traceback, and gives up when the same error comes back: the job ends at once with
+    # that cause, instead of waiting out the recovery's timeout (300 s) as it did.
+    returncode, output = _launch(megatron_lm, tmp_path, "tp_unset", TP2)
+    assert returncode != 0
+    assert "Traceback (most recent call last)" in output
+    assert "in validate_args" in output
+    assert "it would fail the same way again" in output
+    assert "did not finish within" not in output
+    assert "ending the job" in output
 
 
 def _saved_counts(save: Path, iteration: int) -> tuple[float, int, int]:
