@@ -171,10 +171,31 @@ class RankState:
     # -- bulk copies ------------------------------------------------------------------------
     @torch.no_grad()
     def write_from(self, flat: torch.Tensor, optimizer: bool = True, params: bool = True) -> None:
-        """Copy bytes of a flat host buffer back into the live tensors."""
+        """Copy bytes of a flat host buffer back into the live tensors: the parameters first,
+        then the optimizer shard, whose fp32 main parameters are views of this rank's slice
+        of fp32 parameters (megatron-core's distributed optimizer): a peer's parameters,
+        older there with an overlapped all-gather (gather_params), must not overwrite them."""
         n_opt = len(self._optimizer_specs)
-        for i, (entry, t) in enumerate(zip(self.layout.entries, self.tensors(), strict=True)):
-            if (i < n_opt and not optimizer) or (i >= n_opt and not params):
-                continue
+        pairs = list(zip(self.layout.entries, self.tensors(), strict=True))
+        for entry, t in (pairs[n_opt:] if params else []) + (pairs[:n_opt] if optimizer else []):
             src = flat[entry.offset : entry.offset + entry.nbytes]
             t.copy_(src.view(entry.dtype).view(entry.shape), non_blocking=False)
+
+    @torch.no_grad()
+    def gather_params(self) -> bool:
+        """After a restore, with megatron-core's overlapped parameter all-gather
+        (--overlap-param-gather): outside its optimizer shard a rank's parameters are those
+        of the iteration before until the next forward gathers them, and so are the
+        snapshot's. Gather them now, as that forward would have, from every rank's slice
+        updated from its main parameters. A collective of every data-parallel group; False
+        (nothing done) without the overlap."""
+        chunks = [c for c in self.model if getattr(c, "use_forward_hook", False)]
+        if not chunks:
+            return False
+        for inner in inner_optimizers(self.optimizer):
+            copy = getattr(inner, "_copy_main_params_to_model_params", None)
+            if copy is not None:
+                copy()
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=True)
+        return True

@@ -209,7 +209,8 @@ class ProcessRecovery:
         self._begin(trainer.iteration if trainer is not None else 0)
         if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
             self.report(err)  # the agent classifies it
-        where = "set-up" if trainer is None else f"iteration {trainer.iteration + 1}"
+        training = trainer is not None and trainer.state is not None  # else still setting up
+        where = f"iteration {trainer.iteration + 1}" if training else "set-up"
         own = self._own.interrupted(err)  # its traceback: what a user needs to fix it
         log.warning("%s stopped: %s: %s", where, type(err).__name__, err,
                     exc_info=err if own else None)  # fmt: skip
@@ -420,6 +421,9 @@ class ProcessRecovery:
             plan, rank_state, self.held, self.topology, self.env.rank, group, offer
         )
         self.bytes_moved += received  # counted once, by the receiver
+        if rank_state.gather_params():
+            log.info("parameters gathered from every rank's optimizer shard (overlapped "
+                     "all-gather: the snapshot's were an iteration old outside this shard)")  # fmt: skip
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "transfer_state")
         return restored
 

@@ -277,6 +277,23 @@ def test_upstream_tensor_parallel_hot_swap_takes_parameters_from_the_same_shard_
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
+def test_upstream_overlapped_param_gather_hot_swap_is_bitwise(megatron_lm, tmp_path):
+    # --overlap-grad-reduce --overlap-param-gather (what GPU users run with the distributed
+    # optimizer), as DP4: after a step, a rank's parameters outside its optimizer shard are
+    # gathered by the next forward, so the snapshot's are not the step's there. Without
+    # gathering them after the restore the run diverged from the resumed iteration on
+    # (digest d60939e8... against 44fe78f6..., 2026-12-05).
+    overlap = [*DP4, "--overlap-grad-reduce", "--overlap-param-gather"]
+    losses, final, _ = _run(megatron_lm, tmp_path, "overlap_free", overlap)
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, "overlap_swap", [*overlap, "--deadpool-inject", "kill@1:7"]
+    )
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert output.count("parameters gathered from every rank's optimizer shard") == 4
+    assert sorted(losses) == list(range(1, 13))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
 def test_upstream_set_up_that_fails_again_the_same_way_ends_the_job_with_its_traceback(
     megatron_lm, tmp_path
 ):
