@@ -294,6 +294,34 @@ def test_upstream_overlapped_param_gather_hot_swap_is_bitwise(megatron_lm, tmp_p
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
+@pytest.mark.parametrize(
+    "name, flags, kill",
+    [
+        # what a GPU job runs, on CPU: bf16, tensor parallel, the overlapped all-reduce and
+        # all-gather, SwiGLU, RMSNorm, rotary embeddings, untied output weights (TP2 x DP2)
+        ("gpu_style", [*TP2, "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+                       "--swiglu", "--untie-embeddings-and-output-weights", "--normalization",
+                       "RMSNorm", "--position-embedding-type", "rope"], "kill@3:8"),
+        # two virtual stages per pipeline stage (interleaved schedule) with full activation
+        # recomputation, which draws dropout's masks again in the backward (PP2 x DP2)
+        ("interleaved_recompute", ["--num-layers", "4", "--num-layers-per-virtual-pipeline-stage",
+                                   "1", "--recompute-granularity", "full", "--recompute-method",
+                                   "uniform", "--recompute-num-layers", "1"], "kill@2:7"),
+    ],
+)  # fmt: skip
+def test_upstream_configurations_users_run_are_hot_swapped_bitwise(
+    megatron_lm, tmp_path, name, flags, kill
+):
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    losses, final, _ = _run(megatron_lm, tmp_path, f"{name}_free", flags, env=env)
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, f"{name}_swap", [*flags, "--deadpool-inject", kill], env=env
+    )
+    assert "spare 0 claimed" in output
+    assert sorted(losses) == list(range(1, 13))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
 def test_upstream_set_up_that_fails_again_the_same_way_ends_the_job_with_its_traceback(
     megatron_lm, tmp_path
 ):
