@@ -218,7 +218,9 @@ def torch_adam_loads_checkpoints() -> bool:
     preparation first gives a fresh optimizer the state a first step would create
     (`materialize_optimizer_state`), its load runs under no_grad, and each parameter then
     gets its own step from the checkpoint's param groups (`own_adam_steps`): what our own
-    pretrain_gpt.py's load does. False, changing nothing, where megatron-core has Apex or TE
+    pretrain_gpt.py's load does. A `--ckpt-format torch` checkpoint's parameter state is
+    then copied in outside no_grad too, into every state entry, that step included, which
+    its file does not hold: under no_grad, the step kept. False, changing nothing, where megatron-core has Apex or TE
     (their FusedAdam keeps its step in the param groups) or no such optimizer."""
     import torch
     from megatron.core.optimizer import distrib_optimizer
@@ -247,6 +249,21 @@ def torch_adam_loads_checkpoints() -> bool:
 
         return load_state_dict
 
+    def kept_steps(own: Callable) -> Callable:
+        # --ckpt-format torch: load_parameter_state copies each saved tensor into the main
+        # parameter and every state entry, the per-parameter `step` too (which that file does
+        # not hold: load_state_dict set it from the param groups), outside no_grad.
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            group, order = self.model_param_group_index_map[model_param]
+            main = self.optimizer.param_groups[group]["params"][order]
+            state = self.optimizer.state.get(main, {})
+            kept = {k: v for k, v in state.items() if k not in tensors}  # copied onto itself
+            with torch.no_grad():
+                own(self, model_param, {**tensors, **kept})
+
+        return _set_main_param_and_optimizer_states
+
+    _replace_once(owner, "_set_main_param_and_optimizer_states", kept_steps)  # where it exists
     return _replace_once(owner, "sharded_state_dict", materialized_first) and _replace_once(
         owner, "load_state_dict", steps_own
     )
