@@ -113,10 +113,11 @@ def run_job_and_kill(
     after_iteration: int,
     signum: int = signal.SIGKILL,
     spares: int = 0,
+    when_logged: str | None = None,
 ) -> tuple[JobResult, int, float]:
     """Start a job, send `signum` to worker `victim_rank` (None: the launcher) from outside
-    once `after_iteration` is logged; returns the result, the victim's pid and the wall time
-    of the signal."""
+    once `after_iteration` is logged (or, given `when_logged`, once a line holding it is);
+    returns the result, the victim's pid and the wall time of the signal."""
     metrics = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
         launch_cmd(nproc, [*args, "--metrics-jsonl", str(metrics)], spares),
@@ -132,7 +133,12 @@ def run_job_and_kill(
             lines.append(line)
             if f"started worker rank {victim_rank} " in line:
                 victim_pid = int(line.rsplit("pid ", 1)[1].split(")")[0])
-            if victim_pid and metrics.exists():
+            if victim_pid and when_logged is not None:
+                if when_logged in line:
+                    signalled_at = time.time()
+                    os.kill(victim_pid, signum)
+                    break
+            elif victim_pid and metrics.exists():
                 losses, _ = read_metrics(str(metrics))
                 if after_iteration in losses:
                     signalled_at = time.time()

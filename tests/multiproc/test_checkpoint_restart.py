@@ -188,8 +188,11 @@ def test_sigterm_noted_before_a_failure_stops_every_rank_after_the_recovered_ite
     args = [*SHAPE_PP2, "--deadpool", "--log-interval", "1", "--save", ckpt, "--load", ckpt,
             "--exit-signal-handler"]  # fmt: skip
     faults = ["--deadpool-inject", "slow@1:6,kill@1:6:snapshot"]
+    # sent once rank 1's slow phase has begun: the ranks have agreed on iteration 5's stop
+    # by then (after iteration 5 was logged, a loaded machine once delivered it before that
+    # agreement, and every rank stopped after 5, before the kill)
     first, _, _ = run_job_and_kill(tmp_path, 4, [*args, *faults], None, 5, signal.SIGTERM,
-                                   spares=1)  # fmt: skip
+                                   spares=1, when_logged="injecting slow@1:6")  # fmt: skip
     assert first.returncode == 0, first.failure()
     assert "spare 0 claimed: takes over rank 1" in first.output
     stopped = latest_iteration(ckpt)
