@@ -220,8 +220,9 @@ def torch_adam_loads_checkpoints() -> bool:
     gets its own step from the checkpoint's param groups (`own_adam_steps`): what our own
     pretrain_gpt.py's load does. A `--ckpt-format torch` checkpoint's parameter state is
     then copied in outside no_grad too, into every state entry, that step included, which
-    its file does not hold: under no_grad, the step kept. False, changing nothing, where megatron-core has Apex or TE
-    (their FusedAdam keeps its step in the param groups) or no such optimizer."""
+    its file does not hold: under no_grad, the step kept. False, changing nothing, where
+    megatron-core has Apex or TE (their FusedAdam keeps its step in the param groups) or no
+    such optimizer."""
     import torch
     from megatron.core.optimizer import distrib_optimizer
 
@@ -314,9 +315,10 @@ def restores_skip_load(restoring: Callable[[], bool]) -> bool:
     """Skip Megatron-LM's `--load` in a pretrain() that a hot-swap runs again to restore
     (`restoring()` true): every rank would read its checkpoint shard from storage, minutes for
     a large model, only for the restore from host memory to overwrite it. pretrain() then goes
-    on as without `--load` (iteration 0, its position set by the restore); the floating-point
-    operations count is the session's (`flops_at`). Installed once per process, by its one
-    session. False where Megatron-LM has no such function."""
+    on as without `--load` (iteration 0, its position set by the restore); its counts of
+    floating-point operations and validation samples are the session's (`LoopCounts`).
+    Installed once per process, by its one session. False where Megatron-LM has no such
+    function."""
     from megatron.training import training
 
     def skipped_while_restoring(own: Callable) -> Callable:

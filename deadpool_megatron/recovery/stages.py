@@ -422,8 +422,10 @@ class ProcessRecovery:
         )
         self.bytes_moved += received  # counted once, by the receiver
         if rank_state.gather_params():
-            log.info("parameters gathered from every rank's optimizer shard (overlapped "
-                     "all-gather: the snapshot's were an iteration old outside this shard)")  # fmt: skip
+            log.info(
+                "parameters gathered from every rank's optimizer shard (overlapped "
+                "all-gather: the snapshot's were an iteration old outside this shard)"
+            )
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "transfer_state")
         return restored
 
