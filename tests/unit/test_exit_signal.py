@@ -2,6 +2,9 @@
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -26,6 +29,81 @@ def test_sigterm_is_noted_not_obeyed_and_the_previous_handler_comes_back():
     finally:
         noted.restore()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_handler_entered_again_at_any_point_of_itself_returns():
+    # Python runs a handler between any two bytecodes of the main thread, the handler's own
+    # included: a second signal (Slurm's SIGTERM, then the agent's) enters it again wherever
+    # the first call is. Simulated here at every opcode of the first call, and of what it
+    # calls: each nested call must return (a lock held by the outer call would never be free).
+    noted = ExitSignal.__new__(ExitSignal)  # the handler alone: none installed
+    noted.signum, noted._received = signal.SIGTERM, False
+    outer_code = ExitSignal._note.__code__
+    depth = {"outer": 0, "nested": 0}
+
+    def trace(frame, event, arg):
+        if frame.f_code is outer_code and event == "call":
+            depth["outer"] += 1
+        frame.f_trace_opcodes = True
+        if event == "opcode" and depth["outer"] == 1:
+            depth["outer"] += 1  # the nested call is not traced again
+            noted._note(signal.SIGTERM, None)
+            depth["nested"] += 1
+            depth["outer"] -= 1
+        return trace
+
+    def run():
+        sys.settrace(trace)
+        try:
+            noted._note(signal.SIGTERM, None)
+        finally:
+            sys.settrace(None)
+
+    handler = threading.Thread(target=run, daemon=True)
+    handler.start()
+    handler.join(5)
+    assert not handler.is_alive(), "a nested call waits for the call it interrupted"
+    assert depth["nested"] >= 2 and noted()
+
+
+CHILD = """
+import sys, time
+from deadpool_megatron.process.exit_signal import ExitSignal
+noted = ExitSignal()
+print("ready", flush=True)
+sys.stdin.readline()  # the signals have been sent
+print("noted" if noted() else "not noted", flush=True)
+"""
+
+
+def test_signals_two_at_a_time_never_stop_the_process():
+    # What a worker of a Slurm step gets: SIGTERM from slurmstepd and the agent's forwarded
+    # SIGTERM at once. Pairs of signals, back to back, for 2 s, into 4 processes: each must
+    # answer afterwards (with a handler that set a threading.Event, half of them hung).
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )  # fmt: skip
+        for _ in range(4)
+    ]
+    try:
+        for child in children:
+            assert child.stdout.readline().strip() == "ready"
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            for child in children:
+                os.kill(child.pid, signal.SIGTERM)
+                os.kill(child.pid, signal.SIGTERM)
+            time.sleep(0.001)
+        answers = []
+        for child in children:
+            out, _ = child.communicate("go\n", timeout=20)
+            answers.append((out.strip(), child.returncode))
+        assert answers == [("noted", 0)] * 4
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
 
 
 def test_the_flag_is_off_unless_given():
