@@ -130,15 +130,13 @@ def test_upstream_pretrain_gpt_hot_swaps_a_killed_rank_bitwise(megatron_lm, fail
     assert output.count("pretrain() runs again without Megatron-LM's JIT warm-up") == 4
     # Killed as iteration 7 starts: back to 6, or to 5 if 6's replica was still on its way.
     assert "roll back to iteration 6" in output or "roll back to iteration 5" in output
-    # The collection after the recovery walks what the job built, not Megatron-LM's imports
-    # (some 430,000 objects, 0.23 s a walk, of CPU the next iteration waited for).
-    left_out = re.findall(r"\[(worker \d|spare 0)\] .* freed the previous generation "
-                          r"\(\d+ objects; (\d+) of the imports left out\)", output)  # fmt: skip
-    assert len(left_out) == 4 and all(int(n) > 100_000 for _, n in left_out), left_out
-    # and, in the survivors, what generation 0's JIT warm-up compiled (torch.compile's tables,
-    # some 150,000 objects, 0.08-0.23 s a walk): the claimed spare compiled nothing
-    spare = int(dict(left_out)["spare 0"])
-    assert all(int(n) > spare + 50_000 for who, n in left_out if who != "spare 0"), left_out
+    # The collection after the recovery walks what the job built (a few thousand objects):
+    # not Megatron-LM's imports (some 430,000 objects, 0.23 s a walk, of CPU the next
+    # iteration waited for), nor, in the survivors, what generation 0's JIT warm-up compiled
+    # (torch.compile's tables, some 150,000 objects, 0.08-0.23 s a walk).
+    walked = re.findall(r"\[(worker \d|spare 0)\] .* freed the previous generation "
+                        r"\(\d+ objects found of (\d+) walked\)", output)  # fmt: skip
+    assert len(walked) == 4 and all(int(n) < 50_000 for _, n in walked), walked
     # rank 0 printed Megatron-LM's argument table in generation 0 only
     assert output.count("------------------------ arguments ------------------------") == 1
     assert "Megatron-LM's arguments: as printed at this process's first pretrain()" in output
