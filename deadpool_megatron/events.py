@@ -20,6 +20,7 @@ from typing import Any
 FAILURE_DETECTED = "failure_detected"
 FENCED = "fenced"
 SUSPECTED = "suspected"  # a late heartbeat from a process that is still progressing: not fenced
+STALLED = "stalled"  # a process beating on time whose training thread stopped: not fenced
 SPARE_REGISTERED = "spare_registered"
 SPARE_CLAIMED = "spare_claimed"
 SPARE_LOST = "spare_lost"

@@ -35,6 +35,7 @@ from ..events import (
     FAILURE_DETECTED,
     JOB_ENDED,
     JOB_RESTART,
+    STALLED,
     SUSPECTED,
     EventLog,
 )
@@ -192,7 +193,7 @@ class Agent:
             self.ctx, sorted(workers), lambda r: exit_seen(workers[r].proc),
             p.deadpool_heartbeat_interval, HangPolicy.from_config(p),
             watch_heartbeats=p.deadpool, probe=lambda r: workers[r].probe(),
-            on_suspect=self._on_suspect, world_size=self.world_size,
+            on_suspect=self._on_suspect, world_size=self.world_size, on_stall=self._on_stall,
         )  # fmt: skip
         coordinator = Coordinator(self.ctx, self.topology(), p.deadpool_replicas, self.events,
                                   node=self.node)  # fmt: skip
@@ -408,6 +409,11 @@ class Agent:
         """A late heartbeat from a process that is still progressing: say so, never fence."""
         log.warning("rank %d suspected, not fenced: %s", rank, reason)
         self.events.emit(SUSPECTED, rank=rank, reason=reason)
+
+    def _on_stall(self, rank: int, reason: str) -> None:
+        """A process beating on time whose training thread stopped: say where, never fence."""
+        log.warning("rank %d stalled, not fenced: %s", rank, reason)
+        self.events.emit(STALLED, rank=rank, reason=reason)
 
     def _log_detection(self, detection: Detection, iteration: int) -> None:
         c = detection.classification

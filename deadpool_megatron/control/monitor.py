@@ -6,7 +6,9 @@ Three kinds of evidence, as the paper's detection layer: the launcher seeing a c
 collective that raised, an injected transient error). A hang is never a late heartbeat alone:
 the monitor also reads each process's progress marks (shared memory, failure/progress.py) and
 its state as the OS reports it, and failure/hang.py decides; a late beat from a process that is
-still progressing is a suspicion, handed to `on_suspect` and never fenced. Classification is
+still progressing is a suspicion, handed to `on_suspect` and never fenced, and a process that
+beats on time but whose training thread stopped progressing is a stall, handed to `on_stall`
+and never fenced either. Classification is
 the pure function in failure/classify.py; this file only gathers.
 """
 
@@ -69,6 +71,7 @@ class _Watched:
     state: str = "unknown"
     stopped_since: float | None = None
     suspected: bool = False  # a suspicion was reported and the heartbeat has not caught up
+    stalled: bool = False  # a stall was reported and the process has not progressed since
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Monitor:
         probe: Callable[[int], ProcessProbe | None] = lambda rank: None,
         on_suspect: Callable[[int, str], None] = lambda rank, reason: None,
         world_size: int | None = None,
+        on_stall: Callable[[int, str], None] = lambda rank, reason: None,
     ):
         self.ctx = ctx
         self.world_size = world_size
@@ -123,6 +127,7 @@ class Monitor:
         self.detector = HeartbeatDetector(heartbeat_interval_s, policy.heartbeat_timeout_s, clock)
         self._probe = probe
         self._on_suspect = on_suspect
+        self._on_stall = on_stall
         self._watched: dict[int, _Watched] = {}
         self._clock = clock
         self._last_beat: dict[int, Heartbeat] = {}
@@ -223,8 +228,11 @@ class Monitor:
             elif a.verdict is Verdict.SUSPECTED and not w.suspected:
                 w.suspected = True
                 self._on_suspect(rank, a.reason)
-            elif a.verdict is Verdict.OK:
-                w.suspected = False
+            elif a.verdict is Verdict.STALLED and not w.stalled:
+                w.stalled = True
+                self._on_stall(rank, a.reason)
+            if a.verdict is Verdict.OK:
+                w.suspected = w.stalled = False
         return out
 
     def training_over(self) -> bool:

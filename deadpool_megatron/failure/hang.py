@@ -9,6 +9,13 @@ hung only on evidence that it is not progressing:
 - its heartbeat is late AND its training thread has marked no phase boundary
   (failure/progress.py) for longer than the limit of the phase it is in.
 
+A process whose heartbeat is on time but whose training thread has marked nothing past that
+limit is stalled: logged once, never fenced. Its training thread is blocked, and every rank
+waiting on it in a collective looks the same from here; the collectives' timeout ends those
+waits (a deadlock in one process is then found by the recovery's own stall watch, below).
+Without the log a deadlock was silent until then (minutes: a signal handler that waited for
+itself, 2026-12-06).
+
 The limit of a phase adapts to what the process has shown: `factor` times the longest that
 phase has taken so far, never below `floor_s`; phases known to be slow (a checkpoint save, a
 recovery, and every phase of the first iterations of a process, which include lazy
@@ -141,6 +148,7 @@ class ProgressTracker:
 class Verdict(enum.Enum):
     OK = "ok"
     SUSPECTED = "suspected"  # heartbeat late, but alive and progressing: log, never fence
+    STALLED = "stalled"  # heartbeat on time, no progress past the limit: log, never fence
     HUNG = "hung"  # not progressing: fence and replace
 
 
@@ -168,10 +176,21 @@ def assess(
             return Assessment(
                 Verdict.HUNG, f"the process is {state} (for {stopped_for_s:.1f} s), at {where}"
             )
-    if beat_age_s is None or beat_age_s <= policy.heartbeat_timeout_s:
-        return Assessment(Verdict.OK, "")
     idle = tracker.idle_for(now)
     limit = tracker.limit(policy)
+    if beat_age_s is None or beat_age_s <= policy.heartbeat_timeout_s:
+        if idle is not None and idle > limit:
+            # Its other threads beat, its training thread marks nothing: blocked, in a
+            # collective that waits for a peer or in a deadlock of its own. Which of the two
+            # is not known here, and every rank waiting for the blocked one looks the same.
+            return Assessment(
+                Verdict.STALLED,
+                f"no progress for {idle:.1f} s at {where} (limit {limit:.0f} s) while its "
+                f"heartbeat is on time: its training thread is blocked (a collective waiting "
+                f"for a peer, or a deadlock); the collectives' timeout "
+                f"(--distributed-timeout-minutes) ends a wait for a peer",
+            )
+        return Assessment(Verdict.OK, "")
     if idle is not None and idle > limit:
         return Assessment(
             Verdict.HUNG,

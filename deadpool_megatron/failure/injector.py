@@ -6,7 +6,9 @@ in the training thread (a transient error: the process stays alive and healthy);
 its device fails every health check from then on (alive and beating, but unfit); slow: the
 training thread computes while holding the GIL (no heartbeat gets out) for a while, as a long
 checkpoint save or kernel launch would: a healthy process that must not be accused; corrupt:
-the replication thread sends the replica of that iteration with bytes flipped. The time
+the replication thread sends the replica of that iteration with bytes flipped; stall: the
+training thread waits for good on an event nobody sets, while the heartbeat and every other
+thread go on (a deadlock, or a collective that never returns: alive, beating, stuck). The time
 of each injection is reported first, so detection latency can be measured from it.
 """
 
@@ -16,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -92,6 +95,8 @@ class FaultInjector:
             elif fault.action == "slow":
                 hold_gil(self.slow_s, stretch_s=self.slow_s / 2.4)
                 log.warning("%s: slow phase over after %.1f s", fault, time.time() - at)
+            elif fault.action == "stall":
+                threading.Event().wait()  # nobody sets it: this thread never goes on
             elif fault.action == "corrupt":
                 corrupt = True
             else:

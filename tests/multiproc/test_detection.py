@@ -206,6 +206,31 @@ def test_slow_phases_are_suspected_never_fenced_and_join_a_recovery(tmp_path, ba
     assert done["replaced"] == {} and done["replayed_iterations"] <= 1
 
 
+def test_a_training_thread_stuck_while_its_process_beats_is_said_stalled_then_replaced(
+    tmp_path, baseline
+):
+    # stall@1:6: rank 1's training thread waits for good (a deadlock of its own), its
+    # heartbeat thread beats on, and ranks 0, 2 and 3 wait for it in their collectives. Past
+    # the hang limit (--deadpool-hang-timeout 5 s) the agent says which ranks stopped and
+    # where, fencing nobody; the collectives' timeout (1 minute) ends the others' waits, their
+    # errors point at rank 1, whose training thread the recovery finds stuck: a spare takes
+    # it over, and the run ends bitwise equal to the failure-free one.
+    extra = ["--deadpool-hang-timeout", "5", "--distributed-timeout-minutes", "1"]
+    result, events = _inject(tmp_path, "stall@1:6", spares=1, extra=extra)
+    assert result.returncode == 0, result.failure()
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    injected = _only(events, "fault_injected")
+    stalled = [e for e in events if e["event"] == "stalled"]
+    first = {e["rank"]: e for e in reversed(stalled)}
+    assert 1 in first and "at iteration 6, phase forward" in first[1]["reason"], stalled
+    assert "heartbeat is on time" in first[1]["reason"]
+    assert 5.0 < first[1]["time"] - injected["time"] < 5.0 + 3.0, (first[1], injected)
+    assert "rank 1 stalled, not fenced" in result.output
+    detected = _only(events, "failure_detected")
+    assert detected["rank"] == 1 and detected["time"] - injected["time"] >= 55, detected
+    assert _only(events, "recovery_done")["replaced"] == {"1": "spare-0"}
+
+
 def _hog() -> None:
     while True:
         pass

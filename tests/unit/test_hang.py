@@ -84,6 +84,24 @@ def test_assess_a_late_beat_is_suspected_while_progress_is_recent():
     )  # last mark at t - 0.1
 
 
+def test_assess_a_blocked_training_thread_beating_on_time_is_stalled_never_hung():
+    # Its heartbeat thread beats, its training thread marks nothing: past the phase's limit
+    # it is stalled (said once, never fenced), whatever the beat's age up to the timeout.
+    tracker, t = _tracker([("forward", 0.5), ("done", 0.1)] * 4)
+    assert assess(None, tracker, "sleeping", 0.0, t + 9.9, POLICY).verdict is Verdict.OK
+    for beat_age in (None, 0.3, 2.0):
+        a = assess(beat_age, tracker, "sleeping", 0.0, t + 10.5, POLICY)
+        assert a.verdict is Verdict.STALLED, beat_age
+    assert "no progress for 10.6 s at iteration 4, phase done (limit 10 s)" in a.reason
+    assert "heartbeat is on time" in a.reason and "--distributed-timeout-minutes" in a.reason
+    # A slow phase gets its allowance here too: a long save is not a stall.
+    tracker, t = _tracker([("forward", 0.5), ("done", 0.1)] * 4 + [("save", 0.0)])
+    assert assess(None, tracker, "running", 0.0, t + 99.0, POLICY).verdict is Verdict.OK
+    assert assess(None, tracker, "running", 0.0, t + 101.0, POLICY).verdict is Verdict.STALLED
+    # Before its first mark nothing is known of its progress.
+    assert assess(None, ProgressTracker(), "running", 0.0, 1e6, POLICY).verdict is Verdict.OK
+
+
 def test_assess_a_stopped_process_is_hung_after_the_heartbeat_timeout_whatever_its_beat():
     tracker, t = _tracker([("forward", 0.5)] * 4)
     assert assess(None, tracker, "stopped", 1.5, t, POLICY).verdict is Verdict.OK

@@ -40,12 +40,13 @@ class Processes:
 POLICY = HangPolicy(heartbeat_timeout_s=2.0, floor_s=10.0, factor=5.0, slow_phase_s=30.0)
 
 
-def make(kv, codes, clock, procs=None, suspicions=None, ctx=None):
+def make(kv, codes, clock, procs=None, suspicions=None, ctx=None, stalls=None):
     procs = procs or Processes()
     return Monitor(
         ctx or JobContext(kv, JOB), [0, 1, 2], codes.get, 0.5, POLICY, watch_heartbeats=True, clock=clock,
         probe=procs.probe,
         on_suspect=lambda r, why: suspicions.append((r, why)) if suspicions is not None else None,
+        on_stall=lambda r, why: stalls.append((r, why)) if stalls is not None else None,
     )  # fmt: skip
 
 
@@ -141,6 +142,39 @@ def test_a_late_heartbeat_without_progress_is_hung_after_the_phase_limit(kv):
     assert d.classification.rank == 0
     assert "no progress for" in d.classification.reason
     assert 10.0 < clock.t - frozen_at <= 10.5 + 0.5
+
+
+def test_a_blocked_training_thread_beating_on_time_is_said_once_and_never_fenced(kv):
+    # Rank 2's training thread waits for itself (a deadlock), its heartbeat thread beats on;
+    # ranks 0 and 1 wait for it in a collective, beating too. Past the phase limit (the
+    # floor, 10 s) each is reported stalled once, with where it stopped; nobody is fenced.
+    clock, codes, procs, suspicions, stalls = Clock(), {}, Processes(), [], []
+    monitor = make(kv, codes, clock, procs, suspicions, stalls=stalls)
+    for n in range(4):  # past the warm-up iterations; forward takes 0.5 s
+        for rank in (0, 1, 2):
+            beat(kv, rank, n)
+            procs.progress(rank)
+        assert advance(monitor, clock, 0.5) is None
+    procs.progress(2, "optimizer")
+    for n in range(4, 64):  # 30 s
+        for rank in (0, 1, 2):
+            beat(kv, rank, n)
+        assert advance(monitor, clock, 0.5) is None
+    assert sorted(r for r, _ in stalls) == [0, 1, 2] and suspicions == []
+    why = dict(stalls)
+    assert "at iteration 5, phase forward" in why[0] and "phase optimizer" in why[2]
+    assert all("heartbeat is on time" in w for w in why.values())
+    # Rank 0 progresses again, then stops again: a new episode, reported again once past
+    # its limit, which has grown to 5 x the longest forward seen (the stall, some 30 s).
+    procs.progress(0)
+    resumed_at, n = clock.t, 64
+    while len(stalls) == 3 and clock.t - resumed_at < 300:
+        n += 1
+        for rank in (0, 1, 2):
+            beat(kv, rank, n)
+        assert advance(monitor, clock, 0.5) is None
+    assert sorted(r for r, _ in stalls) == [0, 0, 1, 2] and suspicions == []
+    assert 150 < clock.t - resumed_at < 160, stalls[-1]
 
 
 def test_a_rank_that_finished_is_never_accused(kv):
