@@ -60,9 +60,18 @@ def worker_defaults(env: dict[str, str]) -> dict[str, str]:
     CPU allocations of 2 MiB and more on transparent huge pages (THP_MEM_ALLOC_ENABLE: a
     recovery's buffers fault in 2 MiB at a time, and the kernel tears a killed rank's memory
     down in 4 ms per GiB instead of 92, scripts/bench_teardown.py; the launcher no longer
-    waits for that teardown to see the exit, procstate.exiting_status)."""
+    waits for that teardown to see the exit, procstate.exiting_status).
+
+    In an NCCL job (gloo ignores it), TORCH_NCCL_ASYNC_ERROR_HANDLING=2: torch's watchdog
+    aborts the communicator of a collective that failed or timed out and lets the error reach
+    the training thread, whose recovery aborts and rebuilds every group anyway. torch's
+    default, 3, ends the process instead, and every survivor of a hot-swap meets such an
+    error when a peer dies (nvidia-resiliency-ext's in-process restart asks the same of its
+    users: docs/source/inprocess/usage_guide.rst, "Requirements for the execution
+    environment"). Not run on a GPU here."""
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     return env
 
 

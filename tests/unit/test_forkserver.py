@@ -235,9 +235,13 @@ def test_children_fall_back_to_interpreters_when_the_fork_server_refuses(
     assert "fork server unusable (the preloaded modules started threads" in caplog.text
 
 
-def test_workers_default_to_one_thread_and_huge_pages_unless_told_otherwise():
-    assert worker_defaults({}) == {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
-    mine = {"OMP_NUM_THREADS": "4", "THP_MEM_ALLOC_ENABLE": "0"}
+def test_workers_default_to_one_thread_huge_pages_and_nccl_errors_raised_unless_told_otherwise():
+    # NCCL's watchdog aborts a failed communicator and the error reaches the training thread
+    # (2), rather than ending a survivor whose peer died (torch's default, 3).
+    assert worker_defaults({}) == {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1",
+                                   "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}  # fmt: skip
+    mine = {"OMP_NUM_THREADS": "4", "THP_MEM_ALLOC_ENABLE": "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # fmt: skip
     assert worker_defaults(dict(mine)) == mine
     assert server_env({})["THP_MEM_ALLOC_ENABLE"] == "1"
 
