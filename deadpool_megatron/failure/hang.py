@@ -12,9 +12,9 @@ hung only on evidence that it is not progressing:
 A process whose heartbeat is on time but whose training thread has marked nothing past that
 limit is stalled: logged once, never fenced. Its training thread is blocked, and every rank
 waiting on it in a collective looks the same from here; the collectives' timeout ends those
-waits (a deadlock in one process is then found by the recovery's own stall watch, below).
-Without the log a deadlock was silent until then (minutes: a signal handler that waited for
-itself, 2026-12-06).
+waits, their errors point at the rank they waited for, and the recovery fences it once it
+has made no progress past its limit (`Monitor.lost`). Without the log a deadlock was silent
+until then (minutes: a signal handler that waited for itself, 2026-12-06).
 
 The limit of a phase adapts to what the process has shown: `factor` times the longest that
 phase has taken so far, never below `floor_s`; phases known to be slow (a checkpoint save, a

@@ -34,8 +34,8 @@ def collect_left_behind(generation: int, retired: list[object], models: LeftBehi
     of it (runtime.freeze_imports; some 430,000 objects under Megatron-LM, 0.23 s a walk).
     Nothing here counts the frozen objects: `gc.get_freeze_count()` walks them all, 30 ms
     holding the interpreter, which each rank's next iteration waited for (measured, patched
-    Megatron-LM on 4 processes: the two iterations after the first resumed one took 190-260
-    and 125-185 ms against 75-100 and 70-100 ms without it). A left model still alive after
+    Megatron-LM on 4 processes: the two iterations after the first resumed one took 177-279
+    and 123-207 ms, against 80-87 and 69-76 ms without it). A left model still alive after
     that is logged with what holds it."""
 
     def collect() -> None:
