@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"deadpool-launch: error: {err}", file=sys.stderr)
             return ConfigError.exit_code
     agent = Agent(args, settings)
-    signal.signal(signal.SIGINT, agent.on_signal)
-    signal.signal(signal.SIGTERM, agent.on_signal)
+    signal.signal(signal.SIGINT, agent.signals.note)
+    signal.signal(signal.SIGTERM, agent.signals.note)
     try:
         agent.host_store()
     except (StoreUnreachable, ConfigError, LaunchError) as err:

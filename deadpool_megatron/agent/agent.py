@@ -56,6 +56,7 @@ from .nodes import Hosted, Lease, NodeWatch, count_node_lost, lease_context
 from .pool import SparePool
 from .replenish import Replenisher, SpareStart
 from .settings import LaunchSettings
+from .signals import ReceivedSignals
 
 log = logging.getLogger("deadpool.launch")
 
@@ -94,7 +95,7 @@ class Agent:
         self.swap: HotSwap | None = None  # this start's hot-swaps (watch() makes it)
         self.first: FirstGeneration | None = None  # this start's generation 0 (watch() too)
         self._hosted = Hosted(0, (), ())  # what the lease says this node hosts (a snapshot)
-        self._stop_signal: int | None = None
+        self.signals = ReceivedSignals()  # launch.py installs `signals.note` as the handler
         self._signalled = False  # the workers were told to stop after an iteration
         p = settings.protection
         self.events = EventLog(
@@ -176,9 +177,6 @@ class Agent:
         return Topology(self.world_size, self.settings.tp, self.settings.pp,
                         self.args.nproc_per_node)  # fmt: skip
 
-    def on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
-
     # -- watching ---------------------------------------------------------------------------
     def _new_run(self) -> Run:
         p = self.settings.protection
@@ -251,11 +249,12 @@ class Agent:
                 self.ctx.generation, tuple(sorted(run.workers)),
                 run.pool.alive_ids(),
             )  # fmt: skip
-            signum, self._stop_signal = self._stop_signal, None
-            if signum is not None and not self._stop_after_iteration(signum, run):
-                log.info("received %s: forwarding it to every process", signal.Signals(signum).name)
-                self.children.terminate(signum)
-                return 128 + signum
+            for signum in self.signals.take():
+                if not self._stop_after_iteration(signum, run):
+                    log.info("received %s: forwarding it to every process",
+                             signal.Signals(signum).name)  # fmt: skip
+                    self.children.terminate(signum)
+                    return 128 + signum
             if time.monotonic() >= next_store_look:
                 next_store_look = time.monotonic() + STORE_LOOK_S
                 rc = self._look_at_the_job(run)
