@@ -104,6 +104,8 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
         not (t.bf16 and t.fp16), "--bf16 and --fp16 are both set; choose at most one precision"
     )
     _require(t.lr > 0, f"--lr={t.lr} must be positive")
+    timeout = cfg.system.distributed_timeout_minutes
+    _require(timeout > 0, f"--distributed-timeout-minutes={timeout} must be positive")
     _require(0 <= t.min_lr <= t.lr, f"--min-lr={t.min_lr} must lie between 0 and --lr={t.lr}")
     _require(t.lr_warmup_iters >= 0, f"--lr-warmup-iters={t.lr_warmup_iters} must be >= 0")
     _require(t.clip_grad >= 0, f"--clip-grad={t.clip_grad} must be >= 0")

@@ -72,6 +72,7 @@ def test_every_config_field_is_a_flag_with_help():
             "--deadpool-replicas 1 needs 0 <= K <= data-parallel size - 1 (data-parallel size is 1",
         ),
         (["--deadpool-snapshot-interval", "0"], 8, "--deadpool-snapshot-interval=0 must be"),
+        (["--distributed-timeout-minutes", "0"], 8, "--distributed-timeout-minutes=0.0 must be"),
         (
             ["--deadpool", "--exit-interval", "30", "--deadpool-inject", "kill@1:40:finish"],
             8,
