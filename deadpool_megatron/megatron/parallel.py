@@ -104,8 +104,9 @@ def _init(
             tensor_model_parallel_size=cfg.parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=cfg.parallel.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=vp,
-            # as given: a whole number of minutes would give megatron-core's groups another
-            # timeout than the default group's (0.5 became 1), and one group more
+            # as given: a whole number of minutes gave megatron-core's groups another timeout
+            # than the default group's (0.5 became 1), and a role over every rank a group
+            # of its own instead of the default group (one_group_per_rank_list's key)
             distributed_timeout_minutes=cfg.system.distributed_timeout_minutes,
             **supported_kwargs(
                 parallel_state.initialize_model_parallel, create_gloo_process_groups=gloo_twins()
