@@ -224,7 +224,8 @@ def test_a_training_thread_stuck_while_its_process_beats_is_said_stalled_then_re
     first = {e["rank"]: e for e in reversed(stalled)}
     assert 1 in first and "at iteration 6, phase forward" in first[1]["reason"], stalled
     assert "heartbeat is on time" in first[1]["reason"]
-    assert 5.0 < first[1]["time"] - injected["time"] < 5.0 + 3.0, (first[1], injected)
+    # counted from when the agent saw the phase begin, just before the fault fired
+    assert 4.0 < first[1]["time"] - injected["time"] < 5.0 + 3.0, (first[1], injected)
     assert "rank 1 stalled, not fenced" in result.output
     detected = _only(events, "failure_detected")
     assert detected["rank"] == 1 and detected["time"] - injected["time"] >= 15, detected
