@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from reentry import interrupt_at_every_opcode
 
 from deadpool_megatron.config import JobConfig
 from deadpool_megatron.megatron.arguments import parse_job_args
@@ -38,32 +39,21 @@ def test_the_handler_entered_again_at_any_point_of_itself_returns():
     # calls: each nested call must return (a lock held by the outer call would never be free).
     noted = ExitSignal.__new__(ExitSignal)  # the handler alone: none installed
     noted.signum, noted._received = signal.SIGTERM, False
-    outer_code = ExitSignal._note.__code__
-    depth = {"outer": 0, "nested": 0}
-
-    def trace(frame, event, arg):
-        if frame.f_code is outer_code and event == "call":
-            depth["outer"] += 1
-        frame.f_trace_opcodes = True
-        if event == "opcode" and depth["outer"] == 1:
-            depth["outer"] += 1  # the nested call is not traced again
-            noted._note(signal.SIGTERM, None)
-            depth["nested"] += 1
-            depth["outer"] -= 1
-        return trace
+    nested = []
 
     def run():
-        sys.settrace(trace)
-        try:
-            noted._note(signal.SIGTERM, None)
-        finally:
-            sys.settrace(None)
+        nested.append(
+            interrupt_at_every_opcode(
+                lambda: noted._note(signal.SIGTERM, None),
+                lambda: noted._note(signal.SIGTERM, None),
+            )
+        )
 
     handler = threading.Thread(target=run, daemon=True)
     handler.start()
     handler.join(5)
     assert not handler.is_alive(), "a nested call waits for the call it interrupted"
-    assert depth["nested"] >= 2 and noted()
+    assert nested[0] >= 2 and noted()
 
 
 CHILD = """

@@ -2,7 +2,8 @@
 whenever the handler runs."""
 
 import signal
-import sys
+
+from reentry import interrupt_at_every_opcode
 
 from deadpool_megatron.agent.signals import ReceivedSignals
 
@@ -19,26 +20,17 @@ def test_signals_are_taken_oldest_first_once_each():
 def test_a_signal_noted_at_any_point_of_a_take_is_taken_once():
     # Python runs a handler between any two bytecodes of the main thread: a signal noted in
     # the middle of the loop's take must land in what it takes or in what the next take
-    # gets. Simulated at every opcode of `take`, one signal each.
-    take_code = ReceivedSignals.take.__code__
+    # gets. Simulated at every opcode of the take, one signal each.
     signals = ReceivedSignals()
     signals.note(signal.SIGTERM)
     noted = [signal.SIGTERM]
+    first = []
 
-    def trace(frame, event, arg):
-        if frame.f_code is not take_code:
-            return None
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            signum = signal.SIGINT if len(noted) % 2 else signal.SIGTERM
-            signals.note(signum)
-            noted.append(signum)
-        return trace
+    def note():
+        signum = signal.SIGINT if len(noted) % 2 else signal.SIGTERM
+        signals.note(signum)
+        noted.append(signum)
 
-    sys.settrace(trace)
-    try:
-        first = signals.take()
-    finally:
-        sys.settrace(None)
+    interrupt_at_every_opcode(lambda: first.extend(signals.take()), note)
     assert len(noted) > 3  # the take ran several opcodes, each with a signal noted
     assert first + signals.take() == noted
