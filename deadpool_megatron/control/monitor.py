@@ -205,7 +205,8 @@ class Monitor:
             w.stopped_since = None
 
     def _hung(self, now: float) -> list[HeartbeatStale]:
-        """Evidence for every hung rank; late beats of progressing ranks become suspicions."""
+        """Evidence for every hung rank; late beats of progressing ranks become suspicions, and
+        ranks beating on time without progress stalls (each reported once per episode)."""
         late = {e.rank: e for e in self.detector.stale(now)}
         out = []
         for rank in self.ranks:
