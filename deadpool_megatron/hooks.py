@@ -9,6 +9,9 @@ Patched Megatron-LM (`patches/`) calls exactly these, at these points:
   extra-arguments hook (`extra_args_provider`, wrapping the script's own);
 - `after_setup(model, optimizer, opt_param_scheduler)`: in pretrain(), right after
   setup_model_and_optimizer: protection starts, or a hot-swap restores the state here;
+- `before_loop(iteration, evaluate)`: in train(), before its loop: `evaluate` runs the
+  evaluation after `iteration` as the loop does, called where a hot-swap resumed after that
+  evaluation was cut short by the failure (megatron/upstream_loop.py);
 - `before_step(iteration)` / `after_step(iteration, loss_dict)`: in train(), around each
   train_step; `iteration` counts completed iterations, so before_step gets the number
   completed so far and after_step the one just completed (its snapshot);
@@ -88,6 +91,12 @@ def after_setup(model, optimizer, opt_param_scheduler) -> None:
     session = _session()
     if session is not None:
         session.after_setup(model, optimizer, opt_param_scheduler)
+
+
+def before_loop(iteration: int, evaluate: Callable[[], object]) -> None:
+    session = _session()
+    if session is not None:
+        session.before_loop(iteration, evaluate)
 
 
 def before_step(iteration: int) -> None:

@@ -160,7 +160,9 @@ def check_model_parallel(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
-def validate_deadpool(cfg: JobConfig, dp: int) -> None:
+def validate_deadpool(cfg: JobConfig, dp: int, eval_interval: int | None = None) -> None:
+    """The --deadpool* flags. `eval_interval`: Megatron-LM's --eval-interval (0 where it
+    does not evaluate); None for our pretrain_gpt.py, which never evaluates."""
     dpc = cfg.deadpool
     _require(
         dpc.deadpool_snapshot_interval >= 1,
@@ -200,9 +202,12 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         )
     if dpc.deadpool_inject:
         spares = os.environ.get(ENV_SPARES)  # set by deadpool-launch's preflight
-        parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
-                     spares=int(spares) if spares is not None else None,
-                     last_iteration=_known_end(cfg))  # fmt: skip
+        faults = parse_faults(dpc.deadpool_inject, world_size=cfg_world_size(cfg, dp),
+                              spares=int(spares) if spares is not None else None,
+                              last_iteration=_known_end(cfg))  # fmt: skip
+        for fault in faults:
+            if fault.phase == "evaluate":
+                _check_evaluate_fault(str(fault), fault.iteration, eval_interval)
     _require(
         dpc.deadpool_spare_prebuild >= 0,
         f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "
@@ -221,6 +226,21 @@ def validate_deadpool(cfg: JobConfig, dp: int) -> None:
         f"(data-parallel size is {dp}; a replica lives on another DP rank of the same TP/PP "
         f"coordinates; 0 keeps local snapshots only: transient failures are reset in place, "
         f"a lost process is not recoverable in memory)",
+    )
+
+
+def _check_evaluate_fault(spec: str, iteration: int, eval_interval: int | None) -> None:
+    """A fault at phase evaluate needs an evaluation after its iteration."""
+    _require(
+        eval_interval is not None,
+        f"--deadpool-inject {spec}: phase evaluate strikes in Megatron-LM's evaluations, and "
+        "this pretrain_gpt.py does not evaluate; pick another phase",
+    )
+    _require(
+        bool(eval_interval) and iteration % eval_interval == 0,
+        f"--deadpool-inject {spec}: Megatron-LM evaluates after every multiple of "
+        f"--eval-interval ({eval_interval or 'not given: never'}), not after iteration "
+        f"{iteration}",
     )
 
 

@@ -22,13 +22,15 @@ from ..errors import ConfigError
 ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt", "stall")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = (
-    "forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "finish",
-    "setup", "launch", "groups",
+    "forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "evaluate",
+    "finish", "setup", "launch", "groups",
 )  # fmt: skip
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"
 BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in their order
+# `evaluate`: as Megatron-LM's evaluation after ITER begins (ITER a multiple of its
+# --eval-interval), once ITER is protected; our pretrain_gpt.py does not evaluate.
 # `finish`: after the rank's training loop, final save and agreed replication stop, just before
 # it exits: only a kill, at the last iteration (a death after the job's last collective).
 # `setup`: during the process's set-up (groups up and the model built; in our pretrain_gpt.py

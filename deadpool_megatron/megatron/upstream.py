@@ -11,8 +11,8 @@ import argparse
 import inspect
 import logging
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from ..config import JobConfig
 from ..errors import ConfigError
@@ -20,6 +20,7 @@ from ..flags import add_config_flags, build_job_config
 from ..validation import check_model_parallel, validate_deadpool
 from .loaders import KeptLoaders
 from .parallel import destroy_distributed
+from .upstream_loop import LoopCounts
 
 log = logging.getLogger("deadpool.upstream")
 
@@ -86,6 +87,7 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
         else:
             parser.add_argument(flag, type=kind, default=default)
     parser.add_argument("--train-samples", type=int, default=None)  # no JobConfig field
+    parser.add_argument("--eval-interval", type=int, default=None)  # neither
     add_arguments(parser)
     ns, _ = parser.parse_known_args(argv)
     if _given(argv, "--inprocess-restart"):
@@ -107,7 +109,7 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
         ns.global_batch_size = ns.micro_batch_size * dp
     ns.train_iters = _train_iters(ns.train_iters, ns.train_samples, ns.global_batch_size)
     cfg = build_job_config(ns)
-    validate_deadpool(cfg, dp)
+    validate_deadpool(cfg, dp, eval_interval=ns.eval_interval or 0)
     return cfg
 
 
@@ -270,10 +272,12 @@ def torch_adam_loads_checkpoints() -> bool:
     )
 
 
-def data_iterators_for_hot_swaps(kept: KeptLoaders) -> bool:
+def data_iterators_for_hot_swaps(kept: KeptLoaders, counts_carried: Callable[[], bool]) -> bool:
     """Build Megatron-LM's data iterators without moving the training's random streams, and
     with the loaders (and their worker processes) of this process's previous pretrain() where
-    they serve again (loaders.KeptLoaders says why).
+    they serve again (loaders.KeptLoaders says why). Where a hot-swap carried the counts
+    (`counts_carried()`), the validation loader starts at the count as given, 0 included
+    (`_valid_count_as_given`).
 
     Each DataLoader iterator draws its workers' base seed from torch's default CPU generator,
     and pretrain() builds them after the model and optimizer, that is after a hot-swap's
@@ -290,7 +294,7 @@ def data_iterators_for_hot_swaps(kept: KeptLoaders) -> bool:
     def kept_streams(own: Callable) -> Callable:
         def build_train_valid_test_data_iterators(*args, **kwargs):
             reused = kept.reused
-            with rng_kept(), kept.building():
+            with rng_kept(), kept.building(), _valid_count_as_given(counts_carried()):
                 iterators = own(*args, **kwargs)
             if kept.reused > reused:
                 log.info("%d data loader(s) of the previous set-up serve again, their "
@@ -309,6 +313,66 @@ def data_iterators_for_hot_swaps(kept: KeptLoaders) -> bool:
     return _replace_once(training, "build_train_valid_test_data_iterators", kept_streams) and (
         _replace_once(training, "build_pretraining_data_loader", kept_loader)
     )
+
+
+@contextmanager
+def _valid_count_as_given(carried: bool) -> Iterator[None]:
+    """Megatron-LM's loader set-up takes 0 validation samples consumed at a nonzero iteration
+    for a checkpoint saved without the count, and counts them from the iteration instead; a
+    hot-swap's count is exact, and it is 0 there when the first evaluation runs again
+    (evaluations.py): the iteration is hidden from that set-up. Not with
+    --phase-transition-iterations, whose training loader's start is counted from the
+    iteration (the session runs no evaluation again then)."""
+    from megatron.training.global_vars import get_args
+
+    args = get_args()
+    if not (carried and args.iteration > 0 and args.consumed_valid_samples == 0) or (
+        phase_transitions(args)
+    ):
+        yield
+        return
+    iteration, args.iteration = args.iteration, 0
+    try:
+        yield
+    finally:
+        args.iteration = iteration
+
+
+def evaluations_reported(starts: Callable[[int], None], ends: Callable[[int], None]) -> bool:
+    """Call `starts(iteration)` as each of Megatron-LM's evaluations begins (a fault at phase
+    evaluate strikes there) and `ends(iteration)` once it returned, its result printed.
+    False where Megatron-LM has no such function."""
+    from megatron.training import training
+
+    def reported(own: Callable) -> Callable:
+        signature = inspect.signature(own)
+
+        def evaluate_and_print_results(*args, **kwargs):
+            iteration = int(signature.bind(*args, **kwargs).arguments["iteration"])
+            starts(iteration)
+            result = own(*args, **kwargs)
+            ends(iteration)
+            return result
+
+        return evaluate_and_print_results
+
+    return _replace_once(training, "evaluate_and_print_results", reported)
+
+
+def evaluate_as_the_loop_does(evaluate: Callable[[], object]) -> None:
+    """Run `evaluate` (train()'s own call of evaluate_and_print_results) with the iteration
+    timer stopped, as train()'s loop runs it at an --eval-interval."""
+    from megatron.training.global_vars import get_timers
+
+    timers = get_timers()
+    timers("interval-time").stop()
+    evaluate()
+    timers("interval-time", log_level=0).start(barrier=True)
+
+
+def phase_transitions(args) -> bool:
+    """Whether the run has --phase-transition-iterations (see _valid_count_as_given)."""
+    return bool(getattr(args, "phase_transition_iterations", None))
 
 
 def restores_skip_load(restoring: Callable[[], bool]) -> bool:
@@ -332,37 +396,6 @@ def restores_skip_load(restoring: Callable[[], bool]) -> bool:
         return load_checkpoint
 
     return _replace_once(training, "load_checkpoint", skipped_while_restoring)
-
-
-@dataclass(frozen=True)
-class LoopCounts:
-    """What Megatron-LM's loop counts beside the iteration, in its args, and saves with every
-    checkpoint: floating-point operations and validation samples consumed. A hot-swap's
-    pretrain() run again counts both from 0 (its `--load` is skipped), and a sample-based run
-    (--train-samples) would even validate from the first sample again: the ranks that kept
-    where their loop started carry both to the restored iteration. Both follow from the
-    iteration alone once the loop runs (--rampup-batch-size is refused with --deadpool)."""
-
-    iteration: int  # where the loop started
-    flops: float
-    valid_samples: int
-    flops_per_iteration: float
-    valid_per_evaluation: int  # samples one evaluation consumes; 0 where the loop has none
-    eval_interval: int
-
-    def at(self, iteration: int) -> tuple[float, int]:
-        """The two counts after `iteration`: one global batch's operations per iteration,
-        added one at a time as the loop adds them (a product rounds otherwise once counts
-        pass 2**53), and one evaluation's samples at every --eval-interval."""
-        flops = self.flops
-        if iteration < self.iteration:  # not met (a roll-back never goes before the start)
-            flops += (iteration - self.iteration) * self.flops_per_iteration
-        for _ in range(iteration - self.iteration):
-            flops += self.flops_per_iteration
-        evaluations = 0
-        if self.eval_interval:
-            evaluations = iteration // self.eval_interval - self.iteration // self.eval_interval
-        return flops, self.valid_samples + evaluations * self.valid_per_evaluation
 
 
 def loop_counts() -> LoopCounts:
@@ -475,32 +508,3 @@ def set_position(iteration: int) -> None:
     args = get_args()
     args.iteration = iteration
     args.consumed_train_samples = iteration * args.global_batch_size
-
-
-def slow_work_after(args, iteration: int) -> str | None:
-    """What Megatron-LM's train() does after `iteration` that can take minutes (the progress
-    phase to mark, so a healthy evaluation or save is never taken for a hang): it evaluates
-    at every --eval-interval and saves at every --save-interval (checkpoint_and_decide_exit)."""
-    if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
-        return "evaluate"
-    if args.save and args.save_interval and iteration % args.save_interval == 0:
-        return "save"
-    return None
-
-
-def ends_after(args, iteration: int) -> bool:
-    """Whether Megatron-LM's train() ends after `iteration`: at --train-iters, or at a multiple
-    of --exit-interval (where it saves first with --save, then calls sys.exit(0))."""
-    return iteration >= args.train_iters or bool(
-        args.exit_interval and iteration % args.exit_interval == 0
-    )
-
-
-def loss_value(loss_dict: dict) -> float | None:
-    """The iteration's language-model loss, exact, where it is known (last pipeline stage)."""
-    value = loss_dict.get("lm loss") if loss_dict else None
-    if value is None:
-        return None
-    if isinstance(value, (tuple, list)):  # (sum, count) in some releases
-        value = value[0] / value[1]
-    return float(value)

@@ -34,12 +34,20 @@ from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.loaders import KeptLoaders
 from ..megatron.model import TrainState, train_state
+from ..megatron.upstream_loop import (
+    EvaluationRecord,
+    LoopCounts,
+    ends_after,
+    loss_value,
+    redo_start,
+    slow_work_after,
+)
 from ..metrics import MetricsWriter
 from ..recovery.plan import RecoveryPlan
 from ..recovery.stages import Rebuilt, RecoveryFailed, Superseded
 from ..runtime import ProcessEnv, freeze_imports, freeze_survivors
 from .exit_signal import ExitSignal
-from .session import ProtectedLoop, serving
+from .session import ProtectedLoop, current, serving
 from .worker import Takeover, open_store, watch
 
 log = logging.getLogger("deadpool.upstream")
@@ -115,8 +123,11 @@ class UpstreamSession(ProtectedLoop):
         self._exit_notes: list[Callable[[], bool]] = [exit_signal] if exit_signal else []
         # Megatron-LM's counts where this process's loop last started (a claimed spare
         # learns them from the others), and whether this set-up's loop has started
-        self._counts: upstream.LoopCounts | None = None
+        self._counts: LoopCounts | None = None
         self._loop_started = False
+        self._evaluations = EvaluationRecord()
+        self._evaluate_again: int | None = None  # the iteration whose evaluation runs again
+        self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
         upstream.restores_skip_load(self._restoring)
 
     # -- the process ---------------------------------------------------------------------------
@@ -228,7 +239,8 @@ class UpstreamSession(ProtectedLoop):
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
-        self._loop_started = False
+        self._loop_started = self.counts_carried = False
+        self._evaluate_again = None
         if pending is None:
             loaded = upstream.checkpoint_loaded()
             if loaded is not None and self.env.rank == 0:  # a restart, or a job resumed
@@ -264,12 +276,35 @@ class UpstreamSession(ProtectedLoop):
         """Megatron-LM's counts at the restored iteration (LoopCounts), as the ranks that kept
         where their loop started count them (a claimed spare has none), for the set-up and
         the loop to go on from (float64: the operations are one already, the samples are
-        far below 2**53)."""
-        mine = (-1.0, -1) if self._counts is None else self._counts.at(self.position.iteration)
-        counts = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=host)
-        flops, valid_samples = counts.tolist()
-        upstream.set_counts(max(flops, 0.0), max(int(valid_samples), 0))
+        far below 2**53); and whether any of them had not finished the evaluation after that
+        iteration, which then runs again (upstream_loop.py), its samples not yet consumed."""
+        iteration, counts = self.position.iteration, self._counts
+        mine = [-1.0, -1.0, 0.0, -1.0]  # operations, samples, cut short, samples per evaluation
+        if counts is not None:
+            cut = self._evaluations.cut_short(iteration)
+            mine = [*counts.at(iteration), float(cut), float(counts.valid_per_evaluation)]
+        carried = torch.tensor(mine, dtype=torch.float64)
+        dist.all_reduce(carried, op=dist.ReduceOp.MAX, group=host)
+        flops, valid, cut, per_evaluation = carried.tolist()
+        valid_samples = max(int(valid), 0)
+        if cut:
+            valid_samples = self._evaluate_after(iteration, valid_samples, int(per_evaluation))
+        upstream.set_counts(max(flops, 0.0), valid_samples)
+        self.counts_carried = True
+
+    def _evaluate_after(self, iteration: int, valid_samples: int, per_evaluation: int) -> int:
+        """The evaluation after `iteration` was cut short: it runs again before the loop
+        (before_loop), from where it started. The validation samples to go on from."""
+        from megatron.training.global_vars import get_args
+
+        start = redo_start(valid_samples, per_evaluation)
+        if start == 0 and upstream.phase_transitions(get_args()):
+            log.warning("the evaluation after iteration %d was cut short by the failure and is "
+                        "not run again: with --phase-transition-iterations its first samples "
+                        "cannot be given to the loaders", iteration)  # fmt: skip
+            return valid_samples
+        self._evaluate_again = iteration
+        return start
 
     def _carry_exit_signal(self) -> None:
         """pretrain() has installed its signal handler (--exit-signal-handler): a signal noted
@@ -300,10 +335,34 @@ class UpstreamSession(ProtectedLoop):
                         "failure); saving it", iteration)  # fmt: skip
             save()
 
+    def before_loop(self, iteration: int, evaluate: Callable[[], object]) -> None:
+        """Megatron-LM's loop is about to start from `iteration`: it evaluates first where
+        the evaluation after `iteration` was cut short by the failure this set-up recovers
+        from (`evaluate`: its own call, the iteration's timer stopped as its loop stops it)."""
+        if self._evaluate_again is None or self._evaluate_again != iteration:
+            return
+        self._evaluate_again = None
+        self.progress.mark(iteration, "evaluate")
+        log.info("the evaluation after iteration %d was cut short by the failure: it runs "
+                 "again before iteration %d", iteration, iteration + 1)  # fmt: skip
+        upstream.evaluate_as_the_loop_does(evaluate)
+
+    def evaluation_starts(self, iteration: int) -> None:
+        """One of Megatron-LM's evaluations begins (a fault at phase evaluate strikes here,
+        once the iteration is protected, as in a save)."""
+        pipeline = self.position.pipeline
+        if pipeline is not None and self.guard.fault_due(iteration, "evaluate"):
+            pipeline.wait_for_replicas(iteration)
+            self.inject(iteration, "evaluate")
+
+    def evaluation_ended(self, iteration: int) -> None:
+        self._evaluations.finished(iteration)
+
     def before_step(self, iteration: int) -> None:
         self._step_started = time.perf_counter()
         if not self._loop_started:  # this set-up's loop starts: what it counts from
             self._counts, self._loop_started = upstream.loop_counts(), True
+            self.counts_carried = False
         super().before_step(iteration)
 
     def after_step(self, iteration: int, loss_dict: dict) -> None:
@@ -311,15 +370,16 @@ class UpstreamSession(ProtectedLoop):
         try:
             super().after_step(iteration, loss_dict)
         finally:  # the step is done: its loss is the iteration's, whatever stops the loop
-            loss = upstream.loss_value(loss_dict)
+            loss = loss_value(loss_dict)
             if self.metrics is not None and loss is not None:
                 elapsed_ms = (time.perf_counter() - self._step_started) * 1e3
                 self.metrics.iteration(iteration, loss, elapsed_ms)
         from megatron.training.global_vars import get_args
 
         args = get_args()
-        slow = upstream.slow_work_after(args, iteration)
-        last = upstream.ends_after(args, iteration)  # what pretrain() does next is its end
+        slow = slow_work_after(args, iteration)
+        last = ends_after(args, iteration)  # what pretrain() does next is its end
+        self._evaluations.after_step(iteration, slow == "evaluate")
         if last or slow is not None:
             self.progress.mark(iteration, "finish" if last else slow)
         pipeline = self.position.pipeline
@@ -328,6 +388,14 @@ class UpstreamSession(ProtectedLoop):
             # the iteration is protected here (its snapshot committed, the replicas held).
             pipeline.wait_for_replicas(iteration)
             self.inject(iteration, "save")
+
+
+def _serving() -> UpstreamSession:
+    """The session patched Megatron-LM's calls reach (process-wide: see session.py)."""
+    session = current()
+    if not isinstance(session, UpstreamSession):
+        raise RuntimeError(f"Megatron-LM called into DeadPool outside a session: {session!r}")
+    return session
 
 
 def become_worker(
@@ -358,7 +426,9 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     upstream.print_arguments_once()
     upstream.torch_adam_loads_checkpoints()  # --load, where megatron-core has no Apex or TE
     # a hot-swap's resumed iteration draws what it drew; a survivor keeps its data loaders
-    upstream.data_iterators_for_hot_swaps(KeptLoaders())
+    upstream.data_iterators_for_hot_swaps(KeptLoaders(), lambda: _serving().counts_carried)
+    upstream.evaluations_reported(lambda i: _serving().evaluation_starts(i),
+                                  lambda i: _serving().evaluation_ended(i))  # fmt: skip
 
     def parse(env: ProcessEnv) -> JobConfig:
         if not (env.under_launcher or env.preflight):

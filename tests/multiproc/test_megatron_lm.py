@@ -358,11 +358,27 @@ def _saved_counts(save: Path, iteration: int) -> tuple[float, int, int]:
 BY_SAMPLES = [a for a in MODEL if a not in ("--train-iters", "12")] + shlex.split(
     "--train-samples 96 --split 90,10,0 --eval-iters 2 --eval-interval 3"
 )
+BY_ITERATIONS = MODEL + shlex.split("--split 90,10,0 --eval-iters 2 --eval-interval 3")
 VALIDATION = re.compile(r"validation loss at iteration \d+.*? \| lm loss value: \S+")
 
 
+SAVED = ["--save-interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def saved_free(megatron_lm, tmp_path_factory) -> tuple[Path, str]:
+    """BY_SAMPLES without a failure, saving every 4 iterations: its --save folder, output."""
+    tmp_path = tmp_path_factory.mktemp("saved_free")
+    free_dir = tmp_path / "free_ckpt"
+    _, _, free_output = _run(
+        megatron_lm, tmp_path, "save_free",
+        [*SAVED, "--save", str(free_dir), "--load", str(free_dir)], model=BY_SAMPLES,
+    )  # fmt: skip
+    return free_dir, free_output
+
+
 def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_saves(
-    megatron_lm, failure_free, tmp_path
+    megatron_lm, failure_free, saved_free, tmp_path
 ):
     # With --save and --load (a user's usual pair), a hot-swap's pretrain() run again read
     # the checkpoint of iteration 4 from storage on every rank before the restore overwrote
@@ -372,15 +388,10 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
     # sample again (the losses at 9 and 12 differed, checked); the ranks that kept where
     # their loop started now carry both (the spare has none), as the failure-free run counts.
     losses, final = failure_free
-    args = ["--save-interval", "4"]
-    free_dir, swap_dir = tmp_path / "free_ckpt", tmp_path / "swap_ckpt"
-    _, _, free_output = _run(
-        megatron_lm, tmp_path, "save_free",
-        [*args, "--save", str(free_dir), "--load", str(free_dir)], model=BY_SAMPLES,
-    )  # fmt: skip
+    (free_dir, free_output), swap_dir = saved_free, tmp_path / "swap_ckpt"
     got, got_final, output = _run(
         megatron_lm, tmp_path, "save_swap",
-        [*args, "--save", str(swap_dir), "--load", str(swap_dir), "--deadpool-inject", "kill@1:7"],
+        [*SAVED, "--save", str(swap_dir), "--load", str(swap_dir), "--deadpool-inject", "kill@1:7"],
         model=BY_SAMPLES,
     )  # fmt: skip
     assert "spare 0 claimed: takes over rank 1 in generation 1" in output
@@ -395,6 +406,36 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
         counts = _saved_counts(swap_dir, iteration)
         assert counts == _saved_counts(free_dir, iteration)
         assert counts[0] > 0 and counts[1:] == (8 * iteration, 16 * (iteration // 3))
+
+
+def test_upstream_evaluation_cut_short_by_a_failure_runs_again_from_its_first_sample(
+    megatron_lm, failure_free, saved_free, tmp_path
+):
+    # Rank 1 dies as the evaluation after iteration 3 starts (iteration 3 protected): the
+    # recovery restores 3, and the resumed loop went on with iteration 4, so the validation
+    # loss at 3 was never printed. Now every survivor says it had not finished that
+    # evaluation, which runs again before iteration 4 from its first sample, and every later
+    # one reads what it reads without the failure. Iteration-based, the same job as
+    # BY_SAMPLES (which validates on the same samples): there Megatron-LM's loaders take 0
+    # samples consumed at iteration 3 for a count to make from the iteration (16: the
+    # losses at 3, 6, 9 and 12 differed, checked), so the count is given as exact.
+    losses, final = failure_free
+    (free_dir, free_output), swap_dir = saved_free, tmp_path / "swap_ckpt"
+    got, got_final, output = _run(
+        megatron_lm, tmp_path, "evaluate_swap",
+        [*SAVED, "--save", str(swap_dir), "--load", str(swap_dir),
+         "--deadpool-inject", "kill@1:3:evaluate"],
+        model=BY_ITERATIONS,
+    )  # fmt: skip
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert "generation 1: rolled back to iteration 3 (" in output, output[-4000:]
+    again = "the evaluation after iteration 3 was cut short by the failure: it runs again"
+    assert output.count(again) == 4  # every rank of the new generation, the spare included
+    validated = VALIDATION.findall(free_output)
+    assert VALIDATION.findall(output) == validated  # at 3 once, and 6, 9, 12 as without it
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+    for iteration in (4, 8, 12):
+        assert _saved_counts(swap_dir, iteration) == _saved_counts(free_dir, iteration)
 
 
 def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(

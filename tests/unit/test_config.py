@@ -74,6 +74,12 @@ def test_every_config_field_is_a_flag_with_help():
         (["--deadpool-snapshot-interval", "0"], 8, "--deadpool-snapshot-interval=0 must be"),
         (["--distributed-timeout-minutes", "0"], 8, "--distributed-timeout-minutes=0.0 must be"),
         (
+            ["--deadpool", "--deadpool-inject", "kill@1:6:evaluate"],
+            8,
+            "kill@1:6:evaluate: phase evaluate strikes in Megatron-LM's evaluations, and this "
+            "pretrain_gpt.py does not evaluate",
+        ),
+        (
             ["--deadpool", "--exit-interval", "30", "--deadpool-inject", "kill@1:40:finish"],
             8,
             "phase finish comes after the last iteration, 30, not after 40",

@@ -13,10 +13,12 @@ import pytest
 
 from deadpool_megatron import hooks
 from deadpool_megatron.errors import ConfigError
-from deadpool_megatron.megatron.upstream import (
+from deadpool_megatron.megatron.upstream import parse_job_config
+from deadpool_megatron.megatron.upstream_loop import (
+    EvaluationRecord,
     LoopCounts,
     ends_after,
-    parse_job_config,
+    redo_start,
     slow_work_after,
 )
 from deadpool_megatron.runtime import ENV_ROLE
@@ -39,6 +41,7 @@ def test_without_deadpool_pretrain_is_returned_unchanged(monkeypatch):
 
 def test_hooks_do_nothing_without_a_session():
     hooks.after_setup(None, None, None)
+    hooks.before_loop(3, lambda: pytest.fail("evaluated without a session"))
     hooks.before_step(3)
     hooks.after_step(4, {"lm loss": 1.0})
     hooks.after_final_save(4, lambda: pytest.fail("saved without a session"))
@@ -113,6 +116,40 @@ def test_loop_counts_at_an_iteration_are_what_megatron_lms_loop_counts_there():
     big = LoopCounts(iteration=0, flops=2.0**53, valid_samples=0, flops_per_iteration=1.0,
                      valid_per_evaluation=0, eval_interval=0)  # fmt: skip
     assert big.at(2) == (2.0**53, 0)  # each +1 rounds away, as in the loop (a product: +2)
+
+
+def test_an_evaluation_is_cut_short_where_it_was_due_after_the_restored_iteration_and_unfinished():
+    record = EvaluationRecord()
+    assert not record.cut_short(3)  # a claimed spare's: nothing due, it says no
+    record.after_step(3, evaluates=True)
+    assert record.cut_short(3)  # the failure struck before or during that evaluation
+    assert not record.cut_short(2)  # rolled back before it: the loop evaluates after 3 again
+    record.finished(3)
+    assert not record.cut_short(3)  # finished: a failure in the save after it
+    record.after_step(4, evaluates=False)
+    assert not record.cut_short(4) and not record.cut_short(3)
+    record.after_step(6, evaluates=True)
+    record.finished(6)  # the evaluations after training report the last iteration again
+    record.finished(3)
+    assert record.done == 6 and not record.cut_short(6)
+
+
+def test_an_evaluation_run_again_reads_from_its_first_sample():
+    assert redo_start(valid_samples=48, per_evaluation=16) == 32
+    assert redo_start(valid_samples=16, per_evaluation=16) == 0  # the job's first evaluation
+    for valid, per in ((8, 16), (16, 0)):
+        with pytest.raises(ValueError, match="cannot have been cut short"):
+            redo_start(valid, per)
+
+
+def test_a_fault_in_an_evaluation_needs_one_after_its_iteration():
+    argv = [*BASE, "--deadpool", "--eval-interval", "3", "--deadpool-inject", "kill@1:6:evaluate"]
+    assert parse_job_config(argv, 4).deadpool.deadpool_inject == "kill@1:6:evaluate"
+    with pytest.raises(ConfigError, match=r"kill@1:4:evaluate: Megatron-LM evaluates after "
+                       r"every multiple of --eval-interval \(3\), not after iteration 4"):  # fmt: skip
+        parse_job_config([*argv[:-1], "kill@1:4:evaluate"], 4)
+    with pytest.raises(ConfigError, match=r"--eval-interval \(not given: never\)"):
+        parse_job_config([*BASE, "--deadpool", "--deadpool-inject", "kill@1:6:evaluate"], 4)
 
 
 def test_evaluations_and_saves_after_a_step_are_marked_as_slow_phases():
