@@ -8,13 +8,11 @@ iteration is snapshotted before its evaluation starts, so a failure during the e
 recovered to that iteration, and the resumed loop would go on with the next step: the
 validation loss of that iteration never printed (nor written to TensorBoard), while the
 samples it was to read count as consumed, so that every later evaluation reads what it reads
-without the failure. The evaluation is collective, and a process cannot tell on its own
-whether its result was printed (the job's last rank prints it): each survivor says whether it
-finished the evaluation of the iteration the recovery restores, and it runs again, from its
-first sample, where any survivor had not (a claimed spare knows nothing and says no). Where
-every survivor had finished, the result was complete, save one case: a dead last rank that
-had not printed it yet. A survivor of the first pipeline stage that had not finished while
-the last rank had printed makes the line appear twice.
+without the failure. The evaluation is collective, and its result is printed and written by
+the job's last rank alone: each survivor says whether it finished the evaluation of the
+iteration the recovery restores (a claimed spare knows nothing and says no), and it runs
+again, from its first sample, where the last rank survived and had not finished it, or where
+the last rank died and any survivor had not (`evaluate_again`).
 
 Pure: no Megatron-LM here (upstream.py reads and sets its counts, its args are given).
 """
@@ -76,6 +74,16 @@ class EvaluationRecord:
         """Whether the evaluation after `restored`, the iteration a recovery restores, was
         due in this process and did not finish."""
         return self.due == restored and self.done < restored
+
+
+def evaluate_again(any_cut_short: bool, last_rank_kept: bool, last_rank_cut_short: bool) -> bool:
+    """Whether the evaluation after the restored iteration runs again, from what the ranks
+    that kept their place say (EvaluationRecord.cut_short). The last rank prints and writes
+    its result: where it survived, its word decides, so no result is printed twice. Where it
+    died nobody can tell whether it printed: it runs again where any survivor had not
+    finished (the result may then appear twice), not where every survivor had (it is missing
+    if the last rank died between its last collective and its print)."""
+    return last_rank_cut_short if last_rank_kept else any_cut_short
 
 
 def redo_start(valid_samples: int, per_evaluation: int) -> int:

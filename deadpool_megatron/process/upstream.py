@@ -38,6 +38,7 @@ from ..megatron.upstream_loop import (
     EvaluationRecord,
     LoopCounts,
     ends_after,
+    evaluate_again,
     loss_value,
     redo_start,
     slow_work_after,
@@ -276,18 +277,22 @@ class UpstreamSession(ProtectedLoop):
         """Megatron-LM's counts at the restored iteration (LoopCounts), as the ranks that kept
         where their loop started count them (a claimed spare has none), for the set-up and
         the loop to go on from (float64: the operations are one already, the samples are
-        far below 2**53); and whether any of them had not finished the evaluation after that
-        iteration, which then runs again (upstream_loop.py), its samples not yet consumed."""
+        far below 2**53); and which of them had not finished the evaluation after that
+        iteration, which may then run again (upstream_loop.evaluate_again), its samples not
+        yet consumed."""
         iteration, counts = self.position.iteration, self._counts
-        mine = [-1.0, -1.0, 0.0, -1.0]  # operations, samples, cut short, samples per evaluation
+        # operations, samples, samples per evaluation, cut short; the last rank's: kept, cut
+        mine = [-1.0, -1.0, -1.0, 0.0, 0.0, 0.0]
         if counts is not None:
-            cut = self._evaluations.cut_short(iteration)
-            mine = [*counts.at(iteration), float(cut), float(counts.valid_per_evaluation)]
+            cut = float(self._evaluations.cut_short(iteration))
+            last = float(dist.get_rank() == dist.get_world_size() - 1)
+            mine = [*counts.at(iteration), float(counts.valid_per_evaluation), cut, last,
+                    last * cut]  # fmt: skip
         carried = torch.tensor(mine, dtype=torch.float64)
         dist.all_reduce(carried, op=dist.ReduceOp.MAX, group=host)
-        flops, valid, cut, per_evaluation = carried.tolist()
+        flops, valid, per_evaluation, *cut = carried.tolist()
         valid_samples = max(int(valid), 0)
-        if cut:
+        if evaluate_again(*(bool(c) for c in cut)):
             valid_samples = self._evaluate_after(iteration, valid_samples, int(per_evaluation))
         upstream.set_counts(max(flops, 0.0), valid_samples)
         self.counts_carried = True

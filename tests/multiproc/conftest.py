@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from megatron_lm_jobs import patched_checkout, run
 from zygotes import running_zygote
 
 from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
@@ -26,3 +27,17 @@ def zygote() -> Iterator[Path]:
             yield path
         finally:
             os.environ.pop(ENV_FORK_ZYGOTE, None)
+
+
+@pytest.fixture(scope="session")
+def megatron_lm(tmp_path_factory) -> Path:
+    """A patched Megatron-LM checkout (megatron_lm_jobs.py), for every file that runs one."""
+    return patched_checkout(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def failure_free(megatron_lm, tmp_path_factory) -> tuple[dict, dict]:
+    """Megatron-LM's job (megatron_lm_jobs.MODEL) without a failure: losses, final record."""
+    losses, final, _ = run(megatron_lm, tmp_path_factory.mktemp("base"), "failure_free", [])
+    assert sorted(losses) == list(range(1, 13)) and final["iteration"] == 12
+    return losses, final

@@ -18,6 +18,7 @@ from deadpool_megatron.megatron.upstream_loop import (
     EvaluationRecord,
     LoopCounts,
     ends_after,
+    evaluate_again,
     redo_start,
     slow_work_after,
 )
@@ -132,6 +133,15 @@ def test_an_evaluation_is_cut_short_where_it_was_due_after_the_restored_iteratio
     record.finished(6)  # the evaluations after training report the last iteration again
     record.finished(3)
     assert record.done == 6 and not record.cut_short(6)
+
+
+def test_the_last_rank_which_prints_the_result_decides_where_it_survived():
+    # kept and cut short: run again; kept and finished: printed, not again (others not)
+    assert evaluate_again(any_cut_short=True, last_rank_kept=True, last_rank_cut_short=True)
+    assert not evaluate_again(any_cut_short=True, last_rank_kept=True, last_rank_cut_short=False)
+    # the last rank replaced: any survivor that had not finished says it was cut short
+    assert evaluate_again(any_cut_short=True, last_rank_kept=False, last_rank_cut_short=False)
+    assert not evaluate_again(any_cut_short=False, last_rank_kept=False, last_rank_cut_short=False)
 
 
 def test_an_evaluation_run_again_reads_from_its_first_sample():
