@@ -86,15 +86,14 @@ def evaluate_again(any_cut_short: bool, last_rank_kept: bool, last_rank_cut_shor
     return last_rank_cut_short if last_rank_kept else any_cut_short
 
 
-def redo_start(valid_samples: int, per_evaluation: int) -> int:
+def redo_start(valid_samples: int, per_evaluation: int) -> int | None:
     """Where the validation data starts for the evaluation run again: `valid_samples` is
-    what the loop has consumed after the restored iteration, its evaluation included."""
-    if per_evaluation <= 0 or valid_samples < per_evaluation:
-        raise ValueError(
-            f"an evaluation of {per_evaluation} samples cannot have been cut short with "
-            f"{valid_samples} validation samples consumed in all"
-        )
-    return valid_samples - per_evaluation
+    what the loop has consumed after the restored iteration, its evaluation included. None
+    where that count cannot hold one evaluation (a count this loop did not make): the
+    evaluation is then not run again, rather than failing the recovery."""
+    if valid_samples < per_evaluation:
+        return None
+    return valid_samples - max(per_evaluation, 0)
 
 
 def slow_work_after(args, iteration: int) -> str | None:

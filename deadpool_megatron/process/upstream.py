@@ -303,10 +303,15 @@ class UpstreamSession(ProtectedLoop):
         from megatron.training.global_vars import get_args
 
         start = redo_start(valid_samples, per_evaluation)
-        if start == 0 and upstream.phase_transitions(get_args()):
-            log.warning("the evaluation after iteration %d was cut short by the failure and is "
-                        "not run again: with --phase-transition-iterations its first samples "
-                        "cannot be given to the loaders", iteration)  # fmt: skip
+        why = None
+        if start is None:
+            why = (f"{valid_samples} validation samples consumed cannot hold one evaluation of "
+                   f"{per_evaluation}")  # fmt: skip
+        elif start == 0 and upstream.phase_transitions(get_args()):
+            why = "with --phase-transition-iterations its first samples cannot be given"
+        if why is not None:
+            log.warning("the evaluation after iteration %d was cut short by the failure and "
+                        "is not run again: %s", iteration, why)  # fmt: skip
             return valid_samples
         self._evaluate_again = iteration
         return start
