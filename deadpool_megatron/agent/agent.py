@@ -39,7 +39,7 @@ from ..events import (
     SUSPECTED,
     EventLog,
 )
-from ..failure.classify import Classification, describe
+from ..failure.classify import Classification, Decision, describe
 from ..failure.evidence import HealthCheckFailed, ProcessExited, describe_exit
 from ..failure.hang import HangPolicy
 from ..recovery.coordinator import Coordinator
@@ -361,6 +361,10 @@ class Agent:
                           "above); a spare would be given the same, so the job ends",
                           c.rank, child.proc.pid, describe_exit(c.evidence.returncode))  # fmt: skip
                 return self._end(f"rank {c.rank} refused its input", BAD_INPUT_EXIT)
+            if c.kind is Decision.REPEATED:
+                log.error("%s; ending the job (the traceback is in rank %d's log): a spare "
+                          "or a restart would meet it again", c.reason, c.rank)  # fmt: skip
+                return self._end(f"rank {c.rank} failed the same way again")
             if isinstance(c.evidence, ProcessExited):
                 log.error("worker rank %d (pid %d) %s; ending the job", c.rank, child.proc.pid,
                           describe_exit(c.evidence.returncode))  # fmt: skip
@@ -372,6 +376,7 @@ class Agent:
             run.pool.node_unfit(f"rank {c.rank} failed its health check: {c.reason}")
         if not response.replace:
             run.monitor.record_transient(c.rank, c.evidence.at)
+        run.monitor.record_error(c.evidence)
         permanent = {c.rank} if response.replace else set()
         failed_at = detection.injected_at or detection.classification.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}

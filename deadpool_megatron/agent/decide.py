@@ -40,8 +40,8 @@ def respond(
     second death before registering is not bad luck)."""
     alive = not isinstance(c.evidence, ProcessExited)
     permanent = c.kind is Decision.PERMANENT
-    if refused_its_input(c):  # a spare or a restart would be given the same input
-        return Response(Action.END, fence=False, replace=False)
+    if refused_its_input(c) or c.kind is Decision.REPEATED:  # a spare or a restart would
+        return Response(Action.END, fence=False, replace=False)  # meet the same again
     if restart_policy == "full":
         return Response(Action.RESTART, fence=False, replace=False)  # every process stops
     if not protected:

@@ -85,9 +85,13 @@ class ControlClient:
     def report_injection(self, rank: int, fault: str, at: float) -> None:
         self.ctx.put(keys.injected(self.ctx.job, rank), Injection(fault, at, self.ctx.generation))
 
-    def report_failure(self, rank: int, kind: str, message: str, at: float | None = None) -> None:
-        """Evidence this process has about its own failure (an exception it caught)."""
-        report = FailureReport(kind, message[:2000], time.time() if at is None else at)
+    def report_failure(
+        self, rank: int, kind: str, message: str, at: float | None = None,
+        where: tuple[int, str] = (-1, ""),
+    ) -> None:  # fmt: skip
+        """Evidence this process has about its own failure (an exception it caught), and
+        where it was: its progress mark (iteration, phase)."""
+        report = FailureReport(kind, message[:2000], time.time() if at is None else at, *where)
         self.ctx.put(keys.report(self.ctx.job, self.ctx.generation, rank), report)
 
     def register_worker(self, rank: int) -> None:

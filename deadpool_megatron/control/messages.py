@@ -111,6 +111,8 @@ class FailureReport(Record):
     kind: str  # INJECTED_TRANSIENT, HEALTH_CHECK or COLLECTIVE_ERROR
     message: str
     at: float
+    iteration: int = -1  # where the rank was, its progress mark (-1: not known)
+    phase: str = ""
 
 
 @dataclass(frozen=True)

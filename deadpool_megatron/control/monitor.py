@@ -296,7 +296,8 @@ class Monitor:
                 self._reports[rank] = HealthCheckFailed(rank, r.message, r.at)
             else:
                 assert r.kind == COLLECTIVE_ERROR, r.kind
-                self._reports[rank] = CollectiveError(rank, r.message, r.at)
+                where = (r.iteration, r.phase) if r.iteration >= 0 else None
+                self._reports[rank] = CollectiveError(rank, r.message, r.at, where=where)
 
     def _injected_at(self, rank: int) -> float | None:
         """When the fault behind this failure was injected, if one was (each injection is
@@ -320,6 +321,11 @@ class Monitor:
     def record_transient(self, rank: int, at: float) -> None:
         """A transient failure of `rank` was acted on (it counts towards escalation)."""
         self.history = self.history.record(rank, at).prune(at, self.policy.window_s)
+
+    def record_error(self, evidence) -> None:
+        """A failure was acted on: its evidence, if a rank's own error at a known place, is
+        what a replay that fails the same way is matched with (classify.py)."""
+        self.history = self.history.record_error(evidence)
 
     def set_ranks(self, ranks: list[int]) -> None:
         """Watch these ranks from now on (a recovery moved ranks onto or off this node)."""

@@ -21,6 +21,13 @@ A transient decision escalates to permanent when the same rank has failed transi
 `policy.max_transient` times within `policy.window_s` (this failure included): a rank that keeps
 resetting costs more than one hot-swap.
 
+A rank's own error (first-hand, not a peer's loss) that comes again with the same message at
+the same iteration and phase, after the recovery from it replayed that iteration bitwise, is
+the training's own doing, not a fault: the replay computes what it computed. The first time
+again it is escalated to permanent all the same (a device at fault would fail the same way in
+place; a spare's does not); a third time, on any rank, it is `REPEATED`: the job ends with it,
+since a spare or a restart from a checkpoint would meet it again.
+
 Across ranks, the strongest kind wins and, within a kind, the earliest `at` (then the lowest
 rank): `classify` returns the one decision to act on first. A permanent recovery re-plans the
 whole membership and rolls every rank back, which subsumes any local reset; the caller then
@@ -50,6 +57,7 @@ from .evidence import (
 class Decision(enum.Enum):
     TRANSIENT = "transient"  # the same rank resets locally and rejoins
     PERMANENT = "permanent"  # a spare replaces the rank (hot-swap)
+    REPEATED = "repeated"  # the same own error at the same place, twice replayed: end the job
 
 
 class InconclusiveEvidence(DeadpoolError):
@@ -78,17 +86,43 @@ class FailureHistory:
     """
 
     transients: tuple[tuple[int, float], ...] = ()
+    # own errors acted on, as (message, iteration, phase): the newest ERRORS_KEPT, at any age
+    errors: tuple[tuple[str, int, str], ...] = ()
 
     def record(self, rank: int, at: float) -> FailureHistory:
-        return FailureHistory((*self.transients, (rank, at)))
+        return FailureHistory((*self.transients, (rank, at)), self.errors)
+
+    def record_error(self, evidence: Evidence) -> FailureHistory:
+        """An own error with its place was acted on (`error_signature`); else unchanged."""
+        signature = error_signature(evidence)
+        if signature is None:
+            return self
+        return FailureHistory(self.transients, (*self.errors, signature)[-ERRORS_KEPT:])
+
+    def repeats(self, evidence: Evidence) -> int:
+        """How often the error of `evidence` was acted on before, at the same place."""
+        signature = error_signature(evidence)
+        return 0 if signature is None else self.errors.count(signature)
 
     def count(self, rank: int, now: float, window_s: float) -> int:
         """Transient failures of `rank` with `now - window_s <= at <= now` (edges included)."""
         return sum(1 for r, at in self.transients if r == rank and now - window_s <= at <= now)
 
     def prune(self, now: float, window_s: float) -> FailureHistory:
-        """Drop records older than the window, so a long job's history stays small."""
-        return FailureHistory(tuple((r, at) for r, at in self.transients if at >= now - window_s))
+        """Drop transients older than the window, so a long job's history stays small."""
+        kept = tuple((r, at) for r, at in self.transients if at >= now - window_s)
+        return FailureHistory(kept, self.errors)
+
+
+ERRORS_KEPT = 16
+
+
+def error_signature(evidence: Evidence) -> tuple[str, int, str] | None:
+    """(message, iteration, phase) of a rank's own error whose place is known; None for
+    anything else (a peer's loss, an exit, a hang, a fault injected as transient)."""
+    if not isinstance(evidence, CollectiveError) or evidence.where is None or _is_hearsay(evidence):
+        return None
+    return (evidence.message, *evidence.where)
 
 
 @dataclass(frozen=True)
@@ -215,6 +249,16 @@ def classify(
             won = won or _earliest(evidence)
             reason = f"{describe(won)} (attributed to rank {rank}, whose heartbeat is fresh)"
 
+    repeats = history.repeats(won)
+    if repeats:
+        iteration, phase = won.where
+        again = (f"{reason}; the same error as {repeats} time(s) before at iteration {iteration} "
+                 f"(phase {phase}), which the recovery replayed as it ran")  # fmt: skip
+        if repeats >= 2:
+            return Classification(rank, Decision.REPEATED, f"{again}: a deterministic error in "
+                                  "the training, not a fault", won)  # fmt: skip
+        return Classification(rank, Decision.PERMANENT, f"{again}: replaced, in case its "
+                              "device is at fault", won)  # fmt: skip
     times = history.count(rank, won.at, policy.window_s) + 1
     if times > policy.max_transient:
         return Classification(

@@ -23,6 +23,7 @@ class CollectiveError:
     message: str
     at: float
     peer: int | None = None
+    where: tuple[int, str] | None = None  # the rank's progress mark: (iteration, phase)
 
 
 @dataclass(frozen=True)

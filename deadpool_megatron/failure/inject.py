@@ -18,8 +18,10 @@ from ..errors import ConfigError
 # raise = transient: the process stays alive; unhealthy: its device fails the health check;
 # slow: a healthy but slow phase (the training thread computes holding the GIL); corrupt: the
 # rank's replica of ITER has bytes flipped in flight (its successors must reject it); stall:
-# the training thread blocks for good while the process's other threads beat on
-ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt", "stall")
+# the training thread blocks for good while the process's other threads beat on; bug: an
+# error of the training's own, raised every time the process that holds RANK gets there
+# (not once per job: a replay or a spare meets it again, as a bug in the code)
+ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt", "stall", "bug")
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = (
     "forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "evaluate",
@@ -44,7 +46,8 @@ BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in thei
 GRAMMAR = (
     "--deadpool-inject SPEC[,SPEC...] with SPEC one of: "
     "kill@RANK:ITER[:PHASE], hang@RANK:ITER[:PHASE], raise@RANK:ITER[:PHASE], "
-    "unhealthy@RANK:ITER[:PHASE], slow@RANK:ITER[:PHASE], stall@RANK:ITER[:PHASE] "
+    "unhealthy@RANK:ITER[:PHASE], slow@RANK:ITER[:PHASE], stall@RANK:ITER[:PHASE], "
+    "bug@RANK:ITER[:PHASE] "
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), corrupt@RANK:ITER (phase replicate), "
     "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST; "
     "ACTION@RANK:0:setup strikes during the set-up, before iteration 1; "

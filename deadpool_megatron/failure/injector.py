@@ -8,8 +8,10 @@ training thread computes while holding the GIL (no heartbeat gets out) for a whi
 checkpoint save or kernel launch would: a healthy process that must not be accused; corrupt:
 the replication thread sends the replica of that iteration with bytes flipped; stall: the
 training thread waits for good on an event nobody sets, while the heartbeat and every other
-thread go on (a deadlock, or a collective that never returns: alive, beating, stuck). The time
-of each injection is reported first, so detection latency can be measured from it.
+thread go on (a deadlock, or a collective that never returns: alive, beating, stuck); bug:
+an `InjectedBug`, the training's own error, every time the process holding the rank gets
+there (a replay, or a spare that took the rank over, meets it again). The time of each
+injection is reported first, so detection latency can be measured from it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ log = logging.getLogger("deadpool.inject")
 
 class InjectedFault(DeadpoolError):
     """A transient failure injected with raise@RANK:ITER."""
+
+
+class InjectedBug(RuntimeError):
+    """An error of the training's own (bug@RANK:ITER): reported as any error the training
+    raises, not as an injected fault."""
 
 
 def hold_gil(seconds: float, stretch_s: float) -> None:
@@ -74,6 +81,10 @@ class FaultInjector:
         True when the caller must corrupt what it is about to send (corrupt@)."""
         corrupt = False
         for fault in faults_at(self.faults, iteration, phase, self.rank):
+            if fault.action == "bug":  # every time: neither claimed nor remembered
+                self._report(fault, time.time())
+                log.warning("injecting %s", fault)
+                raise InjectedBug(f"injected bug at iteration {iteration}, phase {phase}")
             if fault in self._fired:  # a re-executed iteration does not fail again
                 continue
             self._fired.add(fault)

@@ -98,7 +98,9 @@ class Guard:
                 return
             self._reported_in = generation
         kind = INJECTED_TRANSIENT if isinstance(err, InjectedFault) else COLLECTIVE_ERROR
-        self.client.report_failure(self.rank, kind, f"{type(err).__name__}: {err}")
+        mark = self.progress.read()
+        self.client.report_failure(self.rank, kind, f"{type(err).__name__}: {err}",
+                                   where=(mark.iteration, mark.phase))  # fmt: skip
 
     def _unfit(self, reason: str) -> None:
         log.error("health check failed: %s; reported to the agent", reason)

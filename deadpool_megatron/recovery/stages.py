@@ -206,9 +206,9 @@ class ProcessRecovery:
 
     def interrupted(self, trainer: Trainer | None, err: BaseException) -> None:
         """Stage 1 for a worker whose iteration (None: set-up) failed: report it, stop."""
-        self._begin(trainer.iteration if trainer is not None else 0)
         if not isinstance(err, RecoveryOrdered) and not self.ctx.stopping and self.report:
-            self.report(err)  # the agent classifies it
+            self.report(err)  # the agent classifies it, by where it struck: before the mark
+        self._begin(trainer.iteration if trainer is not None else 0)
         training = trainer is not None and trainer.state is not None  # else still setting up
         where = f"iteration {trainer.iteration + 1}" if training else "set-up"
         own = self._own.interrupted(err)  # its traceback: what a user needs to fix it

@@ -265,3 +265,46 @@ def test_history_is_immutable_and_prunes():
 )
 def test_is_peer_loss_message(message, lost):
     assert is_peer_loss_message(message) is lost
+
+
+def test_an_own_error_replayed_at_the_same_place_is_replaced_then_ends_the_job():
+    # The replay after a recovery is bitwise: an own error that comes again with the same
+    # message at the same iteration and phase is the training's. Once again: replaced all
+    # the same (a device at fault fails the same way in place); twice, on any rank: REPEATED.
+    bug = "RuntimeError: injected bug at iteration 5, phase forward"
+    first = CollectiveError(1, bug, 10.0, where=(5, "forward"))
+    history = FailureHistory()
+    assert classify([first], history).kind is T
+    history = history.record(1, 10.0).record_error(first)
+    again = CollectiveError(1, bug, 20.0, where=(5, "forward"))
+    c = classify([again], history)
+    assert c.kind is P and c.rank == 1
+    assert "the same error as 1 time(s) before at iteration 5 (phase forward)" in c.reason
+    assert c.reason.endswith("replaced, in case its device is at fault")
+    history = history.record_error(again)
+    c = classify([CollectiveError(3, bug, 30.0, where=(5, "forward"))], history)
+    assert c.kind is Decision.REPEATED and c.rank == 3
+    assert c.reason.endswith("a deterministic error in the training, not a fault")
+    # elsewhere, or another message, or a peer's loss, or no place known: not a repeat
+    for other in (
+        CollectiveError(1, bug, 30.0, where=(6, "forward")),
+        CollectiveError(1, bug, 30.0, where=(5, "backward")),
+        CollectiveError(1, LOCAL, 30.0, where=(5, "forward")),
+        CollectiveError(1, bug, 30.0),
+    ):
+        assert classify([other], history).kind is T, other
+    hearsay = CollectiveError(0, CLOSED, 30.0, peer=1, where=(5, "forward"))
+    assert history.record_error(hearsay) == history
+    assert classify([hearsay], history.record_error(hearsay)).kind is T
+
+
+def test_the_errors_kept_are_the_newest_and_outlive_the_transient_window():
+    from deadpool_megatron.failure.classify import ERRORS_KEPT
+
+    history = FailureHistory()
+    for i in range(ERRORS_KEPT + 4):
+        history = history.record_error(CollectiveError(0, LOCAL, float(i), where=(i, "forward")))
+    assert len(history.errors) == ERRORS_KEPT and history.errors[-1] == (LOCAL, ERRORS_KEPT + 3,
+                                                                         "forward")  # fmt: skip
+    pruned = history.record(0, 10_000.0).prune(10_000.0, 600.0)
+    assert pruned.errors == history.errors and pruned.transients == ((0, 10_000.0),)

@@ -78,3 +78,12 @@ def test_response_before_the_job_is_up(c, policy, protected, registered, relaunc
 
 def test_once_up_the_registration_no_longer_matters():
     assert respond(EXITED, "hotswap", True, True, False, False).action is Action.HOTSWAP
+
+
+def test_an_error_the_replay_met_again_ends_the_job_whatever_else():
+    from deadpool_megatron.failure.evidence import CollectiveError
+
+    repeated = Classification(1, Decision.REPEATED, "the same error",
+                              CollectiveError(1, "RuntimeError: bug", 0.0, where=(5, "forward")))  # fmt: skip
+    for policy in ("hotswap", "full"):
+        assert respond(repeated, policy, True, True) == Response(Action.END, False, False)

@@ -177,3 +177,17 @@ def test_chaos_until_and_extreme_hang_fractions():
 def test_chaos_validation(args, match):
     with pytest.raises(ConfigError, match=match):
         ChaosSchedule(*args)
+
+
+def test_a_bug_is_raised_every_time_its_place_is_reached_and_not_as_an_injected_fault():
+    from deadpool_megatron.failure.injector import FaultInjector, InjectedBug, InjectedFault
+
+    claims, reported = [], []
+    injector = FaultInjector(parse_faults("bug@1:5"), 1, lambda f, at: reported.append(str(f)),
+                             claim=lambda f: claims.append(f) or True)  # fmt: skip
+    for _ in range(3):  # the replay after each recovery, or a spare, meets it again
+        with pytest.raises(InjectedBug, match="injected bug at iteration 5, phase forward"):
+            injector.fire(5, "forward")
+    assert reported == ["bug@1:5:forward"] * 3 and claims == []  # never claimed once per job
+    assert not issubclass(InjectedBug, InjectedFault)  # reported as the training's own
+    injector.fire(5, "backward")

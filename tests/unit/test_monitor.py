@@ -317,3 +317,16 @@ def test_the_generation_is_read_from_the_context_and_an_injection_is_timed_once(
     codes[1] = -9  # its old injection is not reused
     d = advance(monitor, clock, 0.2)
     assert d.classification.rank == 1 and d.latency_s is None
+
+
+def test_an_own_error_is_read_with_the_place_its_rank_was(kv):
+    clock, codes = Clock(), {}
+    monitor = make(kv, codes, clock)
+    report = FailureReport("collective_error", "RuntimeError: bug", 1000.0, 5, "backward")
+    kv.set(keys.report(JOB, 0, 1), report.encode())
+    d = advance(monitor, clock, 0.2)
+    assert d.classification.evidence.where == (5, "backward")
+    monitor.record_error(d.classification.evidence)
+    assert monitor.history.errors == (("RuntimeError: bug", 5, "backward"),)
+    legacy = FailureReport.decode(b'{"at": 1.0, "kind": "collective_error", "message": "m"}')
+    assert (legacy.iteration, legacy.phase) == (-1, "")  # where unknown: never a repeat
