@@ -320,7 +320,7 @@ def _valid_count_as_given(carried: bool) -> Iterator[None]:
     """Megatron-LM's loader set-up takes 0 validation samples consumed at a nonzero iteration
     for a checkpoint saved without the count, and counts them from the iteration instead; a
     hot-swap's count is exact, and it is 0 there when the first evaluation runs again
-    (evaluations.py): the iteration is hidden from that set-up. Not with
+    (upstream_loop.py): the iteration is hidden from that set-up. Not with
     --phase-transition-iterations, whose training loader's start is counted from the
     iteration (the session runs no evaluation again then)."""
     from megatron.training.global_vars import get_args
