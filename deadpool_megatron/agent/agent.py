@@ -30,7 +30,6 @@ from ..control.messages import (
 from ..control.monitor import Detection, Monitor
 from ..control.store import StoreTimeout, StoreUnreachable
 from ..control.wait import wait_until
-from ..errors import BAD_INPUT_EXIT
 from ..events import (
     FAILURE_DETECTED,
     JOB_ENDED,
@@ -39,15 +38,15 @@ from ..events import (
     SUSPECTED,
     EventLog,
 )
-from ..failure.classify import Classification, Decision, describe
-from ..failure.evidence import HealthCheckFailed, ProcessExited, describe_exit
+from ..failure.classify import Classification, describe
+from ..failure.evidence import HealthCheckFailed, ProcessExited
 from ..failure.hang import HangPolicy
 from ..recovery.coordinator import Coordinator
 from ..recovery.placement import SpareNumbering, spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
 from ..topology import Topology
 from .children import Child, Children, Launch, exit_seen, job_env
-from .decide import Action, Response, refused_its_input, respond
+from .decide import Action, Response, refused_its_input, respond, why_it_ends
 from .ending import Ending
 from .first_generation import FirstGeneration
 from .hotswap import RECOVERY_TIMEOUT_S, HotSwap, Run, Stop
@@ -355,23 +354,9 @@ class Agent:
         if response.action is Action.RELAUNCH:
             return self.first.relaunch(c.rank, c.evidence, run)
         if response.action is Action.END:
-            child = run.workers[c.rank]
-            if refused_its_input(c):
-                log.error("worker rank %d (pid %d) %s: it refused its input (its error is "
-                          "above); a spare would be given the same, so the job ends",
-                          c.rank, child.proc.pid, describe_exit(c.evidence.returncode))  # fmt: skip
-                return self._end(f"rank {c.rank} refused its input", BAD_INPUT_EXIT)
-            if c.kind is Decision.REPEATED:
-                log.error("%s; ending the job (the traceback is in rank %d's log): a spare "
-                          "or a restart would meet it again", c.reason, c.rank)  # fmt: skip
-                return self._end(f"rank {c.rank} failed the same way again")
-            if isinstance(c.evidence, ProcessExited):
-                log.error("worker rank %d (pid %d) %s; ending the job", c.rank, child.proc.pid,
-                          describe_exit(c.evidence.returncode))  # fmt: skip
-            else:
-                log.error("rank %d failed and the job has no --deadpool protection; ending it",
-                          c.rank)  # fmt: skip
-            return self._end(f"failure of rank {c.rank}")
+            line, reason, status = why_it_ends(c, run.workers[c.rank].proc.pid)
+            log.error("%s", line)
+            return self._end(reason, status)
         if isinstance(c.evidence, HealthCheckFailed):
             run.pool.node_unfit(f"rank {c.rank} failed its health check: {c.reason}")
         if not response.replace:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import BAD_INPUT_EXIT
 from ..failure.classify import Classification, Decision
-from ..failure.evidence import ProcessExited
+from ..failure.evidence import ProcessExited, describe_exit
 
 
 class Action(enum.Enum):
@@ -54,6 +54,27 @@ def respond(
         # the job yet, so its seat starts again; twice, and the job ends.
         return Response(Action.END if relaunched else Action.RELAUNCH, False, False)
     return Response(Action.HOTSWAP, fence=permanent and alive, replace=permanent)
+
+
+def why_it_ends(c: Classification, pid: int) -> tuple[str, str, int]:
+    """For Action.END: the line the agent logs, the job's end reason and its exit status
+    (`pid`: the failed rank's process)."""
+    rank = c.rank
+    if refused_its_input(c):
+        return (f"worker rank {rank} (pid {pid}) {describe_exit(c.evidence.returncode)}: it "
+                "refused its input (its error is above); a spare would be given the same, so "
+                "the job ends", f"rank {rank} refused its input", BAD_INPUT_EXIT)  # fmt: skip
+    if c.kind is Decision.REPEATED:
+        return (f"{c.reason}; ending the job (the traceback is in rank {rank}'s log): a spare "
+                "or a restart would meet it again", f"rank {rank} failed the same way again",
+                1)  # fmt: skip
+    if isinstance(c.evidence, ProcessExited):
+        line = (
+            f"worker rank {rank} (pid {pid}) {describe_exit(c.evidence.returncode)}; ending the job"
+        )
+    else:
+        line = f"rank {rank} failed and the job has no --deadpool protection; ending it"
+    return line, f"failure of rank {rank}", 1
 
 
 def refused_its_input(c: Classification) -> bool:

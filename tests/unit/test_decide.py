@@ -87,3 +87,20 @@ def test_an_error_the_replay_met_again_ends_the_job_whatever_else():
                               CollectiveError(1, "RuntimeError: bug", 0.0, where=(5, "forward")))  # fmt: skip
     for policy in ("hotswap", "full"):
         assert respond(repeated, policy, True, True) == Response(Action.END, False, False)
+
+
+def test_why_the_job_ends_names_the_rank_its_process_and_the_status():
+    from deadpool_megatron.agent.decide import why_it_ends
+    from deadpool_megatron.errors import BAD_INPUT_EXIT
+
+    line, reason, status = why_it_ends(EXITED, 4242)
+    assert line == "worker rank 1 (pid 4242) was killed by signal SIGKILL; ending the job"
+    assert (reason, status) == ("failure of rank 1", 1)
+    line, reason, status = why_it_ends(REFUSED, 4242)
+    assert "it refused its input" in line and status == BAD_INPUT_EXIT
+    assert why_it_ends(TRANSIENT, 4242)[0].endswith("has no --deadpool protection; ending it")
+    repeated = Classification(1, Decision.REPEATED, "the same error as 2 time(s) before",
+                              InjectedTransient(1, 0.0))  # fmt: skip
+    line, reason, status = why_it_ends(repeated, 4242)
+    assert line.startswith("the same error as 2 time(s) before; ending the job (the traceback")
+    assert (reason, status) == ("rank 1 failed the same way again", 1)
