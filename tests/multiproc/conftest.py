@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hotswap_jobs import SHAPE_PP2
 from megatron_lm_jobs import patched_checkout, run
 from zygotes import running_zygote
 
 from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
+from jobs import run_job
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,3 +43,12 @@ def failure_free(megatron_lm, tmp_path_factory) -> tuple[dict, dict]:
     losses, final, _ = run(megatron_lm, tmp_path_factory.mktemp("base"), "failure_free", [])
     assert sorted(losses) == list(range(1, 13)) and final["iteration"] == 12
     return losses, final
+
+
+@pytest.fixture(scope="session")
+def baseline_pp2(tmp_path_factory):
+    """Our pretrain_gpt.py as PP2 x DP2 without a failure (hotswap_jobs.SHAPE_PP2), for
+    both hot-swap files."""
+    result = run_job(tmp_path_factory.mktemp("base_pp2"), 4, SHAPE_PP2, name="baseline")
+    assert result.returncode == 0, result.failure()
+    return result
