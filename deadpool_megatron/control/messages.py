@@ -102,13 +102,14 @@ class Heartbeat(Record):
 INJECTED_TRANSIENT = "injected_transient"
 HEALTH_CHECK = "health_check"
 COLLECTIVE_ERROR = "collective_error"
+CUDA_ERROR = "cuda_error"  # a CUDA error the process caught (evidence.cuda_error_recoverable)
 
 
 @dataclass(frozen=True)
 class FailureReport(Record):
     """Evidence a process has about its own failure (an exception it caught)."""
 
-    kind: str  # INJECTED_TRANSIENT, HEALTH_CHECK or COLLECTIVE_ERROR
+    kind: str  # INJECTED_TRANSIENT, HEALTH_CHECK, COLLECTIVE_ERROR or CUDA_ERROR
     message: str
     at: float
     iteration: int = -1  # where the rank was, its progress mark (-1: not known)

@@ -29,11 +29,13 @@ from ..failure.classify import (
 )
 from ..failure.evidence import (
     CollectiveError,
+    CudaError,
     Evidence,
     HealthCheckFailed,
     HeartbeatStale,
     InjectedTransient,
     ProcessExited,
+    cuda_error_recoverable,
     is_peer_loss_message,
 )
 from ..failure.hang import STOPPED_STATES, HangPolicy, ProgressTracker, Verdict, assess
@@ -43,6 +45,7 @@ from . import keys
 from .context import JobContext
 from .messages import (
     COLLECTIVE_ERROR,
+    CUDA_ERROR,
     HEALTH_CHECK,
     INJECTED_TRANSIENT,
     FailureReport,
@@ -295,9 +298,13 @@ class Monitor:
             elif r.kind == HEALTH_CHECK:
                 self._reports[rank] = HealthCheckFailed(rank, r.message, r.at)
             else:
-                assert r.kind == COLLECTIVE_ERROR, r.kind
+                assert r.kind in (COLLECTIVE_ERROR, CUDA_ERROR), r.kind
                 where = (r.iteration, r.phase) if r.iteration >= 0 else None
-                self._reports[rank] = CollectiveError(rank, r.message, r.at, where=where)
+                recoverable = cuda_error_recoverable(r.message)
+                if r.kind == CUDA_ERROR and recoverable is not None:
+                    self._reports[rank] = CudaError(rank, r.message, recoverable, r.at, where)
+                else:
+                    self._reports[rank] = CollectiveError(rank, r.message, r.at, where=where)
 
     def _injected_at(self, rank: int) -> float | None:
         """When the fault behind this failure was injected, if one was (each injection is

@@ -26,7 +26,9 @@ the same iteration and phase, after the recovery from it replayed that iteration
 the training's own doing, not a fault: the replay computes what it computed. The first time
 again it is escalated to permanent all the same (a device at fault would fail the same way in
 place; a spare's does not); a third time, on any rank, it is `REPEATED`: the job ends with it,
-since a spare or a restart from a checkpoint would meet it again.
+since a spare or a restart from a checkpoint would meet it again. A CUDA error that may have
+corrupted its context is replaced the first time already (rule 4), so the second time is
+`REPEATED`.
 
 Across ranks, the strongest kind wins and, within a kind, the earliest `at` (then the lowest
 rank): `classify` returns the one decision to act on first. A permanent recovery re-plans the
@@ -118,9 +120,12 @@ ERRORS_KEPT = 16
 
 
 def error_signature(evidence: Evidence) -> tuple[str, int, str] | None:
-    """(message, iteration, phase) of a rank's own error whose place is known; None for
-    anything else (a peer's loss, an exit, a hang, a fault injected as transient)."""
-    if not isinstance(evidence, CollectiveError) or evidence.where is None or _is_hearsay(evidence):
+    """(message, iteration, phase) of a rank's own error (a CUDA error too) whose place is
+    known; None for anything else (a peer's loss, an exit, a hang, a fault injected as
+    transient)."""
+    if not isinstance(evidence, (CollectiveError, CudaError)) or evidence.where is None:
+        return None
+    if _is_hearsay(evidence):
         return None
     return (evidence.message, *evidence.where)
 
@@ -226,6 +231,8 @@ def classify(
         lambda e: isinstance(e, CudaError) and not e.recoverable,
     ):
         won = _earliest(e for e in evidence if permanent(e))
+        if won is not None and history.repeats(won):  # replaced already: on a spare again
+            return _repeated(won.rank, describe(won), won, history.repeats(won))
         if won is not None:
             return Classification(won.rank, Decision.PERMANENT, describe(won), won)
 
@@ -250,15 +257,11 @@ def classify(
             reason = f"{describe(won)} (attributed to rank {rank}, whose heartbeat is fresh)"
 
     repeats = history.repeats(won)
+    if repeats >= 2:
+        return _repeated(rank, reason, won, repeats)
     if repeats:
-        iteration, phase = won.where
-        again = (f"{reason}; the same error as {repeats} time(s) before at iteration {iteration} "
-                 f"(phase {phase}), which the recovery replayed as it ran")  # fmt: skip
-        if repeats >= 2:
-            return Classification(rank, Decision.REPEATED, f"{again}: a deterministic error in "
-                                  "the training, not a fault", won)  # fmt: skip
-        return Classification(rank, Decision.PERMANENT, f"{again}: replaced, in case its "
-                              "device is at fault", won)  # fmt: skip
+        return Classification(rank, Decision.PERMANENT, f"{_again(reason, won, repeats)}: "
+                              "replaced, in case its device is at fault", won)  # fmt: skip
     times = history.count(rank, won.at, policy.window_s) + 1
     if times > policy.max_transient:
         return Classification(
@@ -269,3 +272,15 @@ def classify(
             won,
         )
     return Classification(rank, Decision.TRANSIENT, reason, won)
+
+
+def _again(reason: str, won: Evidence, repeats: int) -> str:
+    iteration, phase = won.where
+    return (f"{reason}; the same error as {repeats} time(s) before at iteration {iteration} "
+            f"(phase {phase}), which the recovery replayed as it ran")  # fmt: skip
+
+
+def _repeated(rank: int, reason: str, won: Evidence, repeats: int) -> Classification:
+    """The same own error at the same place, met again where a spare took the rank over."""
+    return Classification(rank, Decision.REPEATED, f"{_again(reason, won, repeats)}: a "
+                          "deterministic error in the training, not a fault", won)  # fmt: skip

@@ -71,6 +71,7 @@ class CudaError:
     message: str
     recoverable: bool
     at: float
+    where: tuple[int, str] | None = None  # the rank's progress mark: (iteration, phase)
 
 
 Evidence = (
@@ -89,6 +90,23 @@ _PEER_LOSS = re.compile(
     r"|Timed out waiting|Watchdog caught collective operation timeout",
     re.IGNORECASE,
 )
+
+
+# torch's CUDA errors, by message (`OutOfMemoryError`, `AcceleratorError` or a RuntimeError
+# with CUDA's error string, cuBLAS's and cuDNN's statuses). Out of memory leaves the context
+# usable; any other CUDA error may be "sticky" (CUDA's term: the context is corrupted and
+# every later call fails, e.g. an illegal memory access, a device-side assert, an
+# uncorrectable ECC error), which the message does not always say: not recoverable in place.
+_CUDA = re.compile(r"CUDA error|CUDA out of memory|CUDA driver error|CUBLAS_STATUS_|CUDNN_STATUS_")
+_CUDA_OUT_OF_MEMORY = re.compile(r"CUDA out of memory|CUDA error: out of memory")
+
+
+def cuda_error_recoverable(message: str) -> bool | None:
+    """None where `message` is no CUDA error; True where the context survives it (out of
+    memory), False where it may not."""
+    if not _CUDA.search(message):
+        return None
+    return bool(_CUDA_OUT_OF_MEMORY.search(message))
 
 
 def is_peer_loss_message(message: str) -> bool:

@@ -14,8 +14,9 @@ from ..config import JobConfig
 from ..control import keys
 from ..control.client import ControlClient
 from ..control.context import JobContext
-from ..control.messages import COLLECTIVE_ERROR, HEALTH_CHECK, INJECTED_TRANSIENT
+from ..control.messages import COLLECTIVE_ERROR, CUDA_ERROR, HEALTH_CHECK, INJECTED_TRANSIENT
 from ..events import FAULT_INJECTED, EventLog
+from ..failure.evidence import cuda_error_recoverable
 from ..failure.health import HealthCheck, HealthChecker
 from ..failure.inject import parse_faults
 from ..failure.injector import FaultInjector, InjectedFault
@@ -97,10 +98,14 @@ class Guard:
                          "%s: %s", generation, type(err).__name__, err)  # fmt: skip
                 return
             self._reported_in = generation
-        kind = INJECTED_TRANSIENT if isinstance(err, InjectedFault) else COLLECTIVE_ERROR
+        message = f"{type(err).__name__}: {err}"
+        kind = COLLECTIVE_ERROR
+        if isinstance(err, InjectedFault):
+            kind = INJECTED_TRANSIENT
+        elif cuda_error_recoverable(message) is not None:
+            kind = CUDA_ERROR
         mark = self.progress.read()
-        self.client.report_failure(self.rank, kind, f"{type(err).__name__}: {err}",
-                                   where=(mark.iteration, mark.phase))  # fmt: skip
+        self.client.report_failure(self.rank, kind, message, where=(mark.iteration, mark.phase))
 
     def _unfit(self, reason: str) -> None:
         log.error("health check failed: %s; reported to the agent", reason)

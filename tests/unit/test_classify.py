@@ -308,3 +308,31 @@ def test_the_errors_kept_are_the_newest_and_outlive_the_transient_window():
                                                                          "forward")  # fmt: skip
     pruned = history.record(0, 10_000.0).prune(10_000.0, 600.0)
     assert pruned.errors == history.errors and pruned.transients == ((0, 10_000.0),)
+
+
+def test_a_cuda_error_is_read_from_its_message_and_replayed_ends_after_one_spare():
+    from deadpool_megatron.failure.evidence import cuda_error_recoverable
+
+    assert cuda_error_recoverable("OutOfMemoryError: CUDA out of memory. Tried to allocate") is True
+    assert cuda_error_recoverable("AcceleratorError: CUDA error: an illegal memory access was "
+                                  "encountered") is False  # fmt: skip
+    assert cuda_error_recoverable("RuntimeError: CUDA error: device-side assert triggered") is False
+    assert (
+        cuda_error_recoverable("RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED when calling") is False
+    )
+    assert cuda_error_recoverable(LOCAL) is None and cuda_error_recoverable(CLOSED) is None
+    # a context that may be corrupted: a spare at once; the same on the spare: the job ends
+    assert_ = "RuntimeError: CUDA error: device-side assert triggered"
+    first = CudaError(1, assert_, False, 10.0, where=(7, "forward"))
+    history = FailureHistory()
+    assert classify([first], history).kind is P
+    history = history.record_error(first)
+    c = classify([CudaError(1, assert_, False, 20.0, where=(7, "forward"))], history)
+    assert c.kind is Decision.REPEATED and "the same error as 1 time(s) before" in c.reason
+    assert classify([CudaError(1, assert_, False, 20.0, where=(8, "forward"))], history).kind is P
+    # out of memory resets in place first, as any own error
+    oom = CudaError(2, "OutOfMemoryError: CUDA out of memory", True, 10.0, where=(3, "backward"))
+    assert classify([oom], FailureHistory()).kind is T
+    once = FailureHistory().record_error(oom)
+    assert classify([oom], once).kind is P
+    assert classify([oom], once.record_error(oom)).kind is Decision.REPEATED

@@ -52,3 +52,14 @@ def test_concurrent_reports_write_exactly_one(kv, caplog):
     r = _report(kv, 0)
     assert r.kind == INJECTED_TRANSIENT and r.message.startswith("InjectedFault: fault ")
     assert sum("not reported" in m for m in caplog.messages) == len(errors) - 1
+
+
+def test_a_cuda_error_is_reported_as_one_with_where_its_rank_was(kv):
+    from deadpool_megatron.control.messages import CUDA_ERROR
+
+    guard, _ = _guard(kv)
+    guard.progress.mark(7, "backward")
+    guard.report(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    r = _report(kv, 0)
+    assert r.kind == CUDA_ERROR and (r.iteration, r.phase) == (7, "backward")
+    assert r.message == "RuntimeError: CUDA error: an illegal memory access was encountered"

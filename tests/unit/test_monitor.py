@@ -330,3 +330,14 @@ def test_an_own_error_is_read_with_the_place_its_rank_was(kv):
     assert monitor.history.errors == (("RuntimeError: bug", 5, "backward"),)
     legacy = FailureReport.decode(b'{"at": 1.0, "kind": "collective_error", "message": "m"}')
     assert (legacy.iteration, legacy.phase) == (-1, "")  # where unknown: never a repeat
+
+
+def test_a_reported_cuda_error_is_cuda_evidence_and_an_illegal_access_is_permanent(kv):
+    clock, codes = Clock(), {}
+    monitor = make(kv, codes, clock)
+    msg = "AcceleratorError: CUDA error: an illegal memory access was encountered"
+    kv.set(keys.report(JOB, 0, 2), FailureReport("cuda_error", msg, 1000.0, 4, "forward").encode())
+    d = advance(monitor, clock, 0.2)
+    e = d.classification.evidence
+    assert type(e).__name__ == "CudaError" and not e.recoverable and e.where == (4, "forward")
+    assert (d.classification.rank, d.classification.kind.value) == (2, "permanent")
