@@ -300,8 +300,10 @@ class Monitor:
             else:
                 assert r.kind in (COLLECTIVE_ERROR, CUDA_ERROR), r.kind
                 where = (r.iteration, r.phase) if r.iteration >= 0 else None
-                recoverable = cuda_error_recoverable(r.message)
-                if r.kind == CUDA_ERROR and recoverable is not None:
+                recoverable = None  # read only where the reporter told a CUDA error
+                if r.kind == CUDA_ERROR:
+                    recoverable = cuda_error_recoverable(r.message)
+                if recoverable is not None:
                     self._reports[rank] = CudaError(rank, r.message, recoverable, r.at, where)
                 else:
                     self._reports[rank] = CollectiveError(rank, r.message, r.at, where=where)

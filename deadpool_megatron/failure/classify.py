@@ -231,10 +231,11 @@ def classify(
         lambda e: isinstance(e, CudaError) and not e.recoverable,
     ):
         won = _earliest(e for e in evidence if permanent(e))
-        if won is not None and history.repeats(won):  # replaced already: on a spare again
-            return _repeated(won.rank, describe(won), won, history.repeats(won))
-        if won is not None:
-            return Classification(won.rank, Decision.PERMANENT, describe(won), won)
+        if won is None:
+            continue
+        if repeats := history.repeats(won):  # replaced already: on a spare again
+            return _repeated(won.rank, describe(won), won, repeats)
+        return Classification(won.rank, Decision.PERMANENT, describe(won), won)
 
     # 5: first-hand transient evidence; 6: hearsay, attributed to the suspect peer.
     won = _earliest(e for e in evidence if not _is_hearsay(e))

@@ -358,12 +358,17 @@ class UpstreamSession(ProtectedLoop):
         upstream.evaluate_as_the_loop_does(evaluate)
 
     def evaluation_starts(self, iteration: int) -> None:
-        """One of Megatron-LM's evaluations begins (a fault at phase evaluate strikes here,
-        once the iteration is protected, as in a save)."""
+        """One of Megatron-LM's evaluations begins (a fault at phase evaluate strikes here)."""
+        self._inject_protected(iteration, "evaluate")
+
+    def _inject_protected(self, iteration: int, phase: str) -> None:
+        """A fault due at `phase`, which Megatron-LM runs with no hook inside (a save, an
+        evaluation), strikes as it starts, once `iteration` is protected (its snapshot
+        committed, the replicas held): the recovery then restores `iteration` itself."""
         pipeline = self.position.pipeline
-        if pipeline is not None and self.guard.fault_due(iteration, "evaluate"):
+        if pipeline is not None and self.guard.fault_due(iteration, phase):
             pipeline.wait_for_replicas(iteration)
-            self.inject(iteration, "evaluate")
+            self.inject(iteration, phase)
 
     def evaluation_ended(self, iteration: int) -> None:
         self._evaluations.finished(iteration)
@@ -392,12 +397,8 @@ class UpstreamSession(ProtectedLoop):
         self._evaluations.after_step(iteration, slow == "evaluate")
         if last or slow is not None:
             self.progress.mark(iteration, "finish" if last else slow)
-        pipeline = self.position.pipeline
-        if slow == "save" and pipeline is not None and self.guard.fault_due(iteration, "save"):
-            # Megatron-LM's save has no hook inside: a save fault strikes as it starts, once
-            # the iteration is protected here (its snapshot committed, the replicas held).
-            pipeline.wait_for_replicas(iteration)
-            self.inject(iteration, "save")
+        if slow == "save":
+            self._inject_protected(iteration, "save")
 
 
 def _serving() -> UpstreamSession:
