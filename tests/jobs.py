@@ -105,6 +105,16 @@ def run_job(
     return _result(done.returncode, done.stdout + done.stderr, metrics)
 
 
+def run_failure_free(
+    tmp_path_factory, folder: str, nproc: int, args: list[str], name: str = "baseline"
+) -> JobResult:
+    """The failure-free run a test's recovered jobs are compared with, bit for bit (in a
+    fresh folder named after `folder`); it must succeed."""
+    result = run_job(tmp_path_factory.mktemp(folder), nproc, args, name=name)
+    assert result.returncode == 0, result.failure()
+    return result
+
+
 def run_job_and_kill(
     tmp_path: Path,
     nproc: int,

@@ -18,7 +18,7 @@ from megatron_lm_jobs import patched_checkout, run
 from zygotes import running_zygote
 
 from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
-from jobs import run_job
+from jobs import run_failure_free
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -49,6 +49,4 @@ def failure_free(megatron_lm, tmp_path_factory) -> tuple[dict, dict]:
 def baseline_pp2(tmp_path_factory):
     """Our pretrain_gpt.py as PP2 x DP2 without a failure (hotswap_jobs.SHAPE_PP2), for
     both hot-swap files."""
-    result = run_job(tmp_path_factory.mktemp("base_pp2"), 4, SHAPE_PP2, name="baseline")
-    assert result.returncode == 0, result.failure()
-    return result
+    return run_failure_free(tmp_path_factory, "base_pp2", 4, SHAPE_PP2)

@@ -10,7 +10,7 @@ import pytest
 
 from deadpool_megatron.events import read_events
 from deadpool_megatron.megatron.checkpointing import latest_iteration
-from jobs import ROOT, run_job, run_job_and_kill
+from jobs import ROOT, run_failure_free, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -22,9 +22,7 @@ SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-paral
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    result = run_job(tmp_path_factory.mktemp("base"), 4, SHAPE_PP2, name="baseline")
-    assert result.returncode == 0, result.failure()
-    return result
+    return run_failure_free(tmp_path_factory, "base", 4, SHAPE_PP2)
 
 
 def _restart_run(tmp_path, spec: str):

@@ -23,7 +23,7 @@ from deadpool_megatron.control.signed import ENV_JOB_SECRET, SignedKVStore, new_
 from deadpool_megatron.events import read_events
 from deadpool_megatron.failure.inject import ChaosSchedule
 from deadpool_megatron.megatron.checkpointing import latest_iteration
-from jobs import ROOT, run_job, run_job_and_kill
+from jobs import ROOT, run_failure_free, run_job, run_job_and_kill
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -36,9 +36,7 @@ SHAPE = [*DEFAULTS, "--deadpool-heartbeat-interval", "0.5", "--deadpool-heartbea
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     """The failure-free run the jobs that recover are compared with, bit for bit."""
-    result = run_job(tmp_path_factory.mktemp("base"), 4, [*SHAPE, "--train-iters", "40"])
-    assert result.returncode == 0, result.failure()
-    return result
+    return run_failure_free(tmp_path_factory, "base", 4, [*SHAPE, "--train-iters", "40"], "run")
 
 
 def _inject(tmp_path, spec: str, iters: int = 40, spares: int = 0, extra=()):

@@ -24,7 +24,7 @@ from hotswap_jobs import (
 )
 
 from deadpool_megatron.events import read_events
-from jobs import run_job
+from jobs import run_failure_free, run_job
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -44,9 +44,7 @@ def first_five(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline_dp4(tmp_path_factory):
-    result = run_job(tmp_path_factory.mktemp("base_dp4"), 4, SHAPE_DP4, name="baseline")
-    assert result.returncode == 0, result.failure()
-    return result
+    return run_failure_free(tmp_path_factory, "base_dp4", 4, SHAPE_DP4)
 
 
 @pytest.mark.parametrize(

@@ -19,23 +19,19 @@ from hotswap_jobs import (
     run_injected,
 )
 
-from jobs import ROOT, run_job
+from jobs import ROOT, run_failure_free, run_job
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
 def baseline_dropout(tmp_path_factory):
-    result = run_job(tmp_path_factory.mktemp("base_dropout"), 4, SHAPE_DROPOUT, name="baseline")
-    assert result.returncode == 0, result.failure()
-    return result
+    return run_failure_free(tmp_path_factory, "base_dropout", 4, SHAPE_DROPOUT)
 
 
 @pytest.fixture(scope="module")
 def baseline_3d(tmp_path_factory):
-    result = run_job(tmp_path_factory.mktemp("base_3d"), 8, SHAPE_3D, name="baseline")
-    assert result.returncode == 0, result.failure()
-    return result
+    return run_failure_free(tmp_path_factory, "base_3d", 8, SHAPE_3D)
 
 
 def test_dropout_masks_are_drawn_again_after_a_hot_swap_with_snapshots_every_3_iterations(

@@ -62,6 +62,18 @@ def saved_free(megatron_lm, tmp_path_factory) -> tuple[Path, str]:
     return free_dir, free_output
 
 
+def _saved_swap(checkout: Path, tmp_path: Path, name: str, fault: str, model: list[str]):
+    """saved_free's job with `fault` injected, saving to its own folder: its losses, final
+    record, output, and that folder."""
+    swap_dir = tmp_path / "swap_ckpt"
+    got, got_final, output = run(
+        checkout, tmp_path, name,
+        [*SAVED, "--save", str(swap_dir), "--load", str(swap_dir), "--deadpool-inject", fault],
+        model=model,
+    )  # fmt: skip
+    return got, got_final, output, swap_dir
+
+
 def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_saves(
     megatron_lm, failure_free, saved_free, tmp_path
 ):
@@ -73,12 +85,9 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
     # sample again (the losses at 9 and 12 differed, checked); the ranks that kept where
     # their loop started now carry both (the spare has none), as the failure-free run counts.
     losses, final = failure_free
-    (free_dir, free_output), swap_dir = saved_free, tmp_path / "swap_ckpt"
-    got, got_final, output = run(
-        megatron_lm, tmp_path, "save_swap",
-        [*SAVED, "--save", str(swap_dir), "--load", str(swap_dir), "--deadpool-inject", "kill@1:7"],
-        model=BY_SAMPLES,
-    )  # fmt: skip
+    free_dir, free_output = saved_free
+    got, got_final, output, swap_dir = _saved_swap(megatron_lm, tmp_path, "save_swap",
+                                                   "kill@1:7", BY_SAMPLES)  # fmt: skip
     assert "spare 0 claimed: takes over rank 1 in generation 1" in output
     assert output.count("Megatron-LM's --load is skipped") == 4
     assert "loading distributed checkpoint from" not in output
@@ -105,13 +114,9 @@ def test_upstream_evaluation_cut_short_by_a_failure_runs_again_from_its_first_sa
     # samples consumed at iteration 3 for a count to make from the iteration (16: the
     # losses at 3, 6, 9 and 12 differed, checked), so the count is given as exact.
     losses, final = failure_free
-    (free_dir, free_output), swap_dir = saved_free, tmp_path / "swap_ckpt"
-    got, got_final, output = run(
-        megatron_lm, tmp_path, "evaluate_swap",
-        [*SAVED, "--save", str(swap_dir), "--load", str(swap_dir),
-         "--deadpool-inject", "kill@1:3:evaluate"],
-        model=BY_ITERATIONS,
-    )  # fmt: skip
+    free_dir, free_output = saved_free
+    got, got_final, output, swap_dir = _saved_swap(megatron_lm, tmp_path, "evaluate_swap",
+                                                   "kill@1:3:evaluate", BY_ITERATIONS)  # fmt: skip
     assert "spare 0 claimed: takes over rank 1 in generation 1" in output
     assert "generation 1: rolled back to iteration 3 (" in output, output[-4000:]
     again = "the evaluation after iteration 3 was cut short by the failure: it runs again"

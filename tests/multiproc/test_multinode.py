@@ -21,7 +21,7 @@ from slurm_jobs import lose_node, node_logs, submit, wait_for_iteration
 from deadpool_megatron.control import keys
 from deadpool_megatron.events import read_events
 from deadpool_megatron.metrics import read_metrics
-from jobs import ROOT, run_job
+from jobs import ROOT, run_failure_free
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(900)]
 
@@ -38,16 +38,12 @@ NODE_TIMEOUT_S = 2.0  # --deadpool-node-timeout's default
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    base = run_job(tmp_path_factory.mktemp("base_dp6"), 6, SHAPE, name="baseline")
-    assert base.returncode == 0, base.failure()
-    return base
+    return run_failure_free(tmp_path_factory, "base_dp6", 6, SHAPE)
 
 
 @pytest.fixture(scope="module")
 def baseline_long(tmp_path_factory):
-    base = run_job(tmp_path_factory.mktemp("base_dp6_long"), 6, LONG, name="baseline")
-    assert base.returncode == 0, base.failure()
-    return base
+    return run_failure_free(tmp_path_factory, "base_dp6_long", 6, LONG)
 
 
 def _named(events, name):
