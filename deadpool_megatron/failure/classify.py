@@ -21,8 +21,9 @@ A transient decision escalates to permanent when the same rank has failed transi
 `policy.max_transient` times within `policy.window_s` (this failure included): a rank that keeps
 resetting costs more than one hot-swap.
 
-A rank's own error (first-hand, not a peer's loss) that comes again with the same message at
-the same iteration and phase, after the recovery from it replayed that iteration bitwise, is
+A rank's own error (first-hand, not a peer's loss) that comes again with the same message
+(`error_shape`: but for addresses, process ids and an allocator's byte counts) at the same
+iteration and phase, after the recovery from it replayed that iteration bitwise, is
 the training's own doing, not a fault: the replay computes what it computed. The first time
 again it is escalated to permanent all the same (a device at fault would fail the same way in
 place; a spare's does not); a third time, on any rank, it is `REPEATED`: the job ends with it,
@@ -39,6 +40,7 @@ classifies what evidence is left about other ranks.
 from __future__ import annotations
 
 import enum
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -88,7 +90,7 @@ class FailureHistory:
     """
 
     transients: tuple[tuple[int, float], ...] = ()
-    # own errors acted on, as (message, iteration, phase): the newest ERRORS_KEPT, at any age
+    # own errors acted on, as (error_shape, iteration, phase): the newest ERRORS_KEPT, at any age
     errors: tuple[tuple[str, int, str], ...] = ()
 
     def record(self, rank: int, at: float) -> FailureHistory:
@@ -127,7 +129,27 @@ def error_signature(evidence: Evidence) -> tuple[str, int, str] | None:
         return None
     if _is_hearsay(evidence):
         return None
-    return (evidence.message, *evidence.where)
+    return (error_shape(evidence.message), *evidence.where)
+
+
+# What differs from run to run in the message of the same error, on a bitwise replay: a
+# device address, a process id, a network address, and the memory an allocator had (CUDA's
+# out-of-memory message names the free and reserved bytes, which a spare's allocator does not
+# share). Any other number stays: a deterministic error computes the same ones again, so a
+# number that changed says the error is not the training's.
+_RUN_SPECIFIC = (
+    (re.compile(r"\b0x[0-9a-fA-F]+\b"), "0x?"),
+    (re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"), "<address>"),
+    (re.compile(r"\b(pid|PID|process) \d+\b"), r"\1 ?"),
+    (re.compile(r"\b\d+(?:\.\d+)? ?(?:bytes|[KMGT]i?B)\b"), "? B"),
+)
+
+
+def error_shape(message: str) -> str:
+    """`message` with what a replay of the same error changes left out (_RUN_SPECIFIC)."""
+    for pattern, stand_in in _RUN_SPECIFIC:
+        message = pattern.sub(stand_in, message)
+    return message
 
 
 @dataclass(frozen=True)

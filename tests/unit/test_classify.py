@@ -336,3 +336,30 @@ def test_a_cuda_error_is_read_from_its_message_and_replayed_ends_after_one_spare
     once = FailureHistory().record_error(oom)
     assert classify([oom], once).kind is P
     assert classify([oom], once.record_error(oom)).kind is Decision.REPEATED
+
+
+def test_a_repeat_is_matched_but_for_what_a_replay_changes_in_its_message():
+    from deadpool_megatron.failure.classify import error_shape
+
+    # CUDA's out-of-memory message names what the allocator had: a spare's differs
+    oom = ("OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "
+           "total capacity of 79.15 GiB of which {} is free. Process {} has 79.14 GiB memory "
+           "in use.")  # fmt: skip
+    once = FailureHistory().record_error(
+        CudaError(2, oom.format("6.44 MiB", "pid 4242"), True, 10.0, where=(3, "backward"))
+    )
+    again = CudaError(5, oom.format("512 bytes", "pid 77"), True, 20.0, where=(3, "backward"))
+    assert classify([again], once).kind is P
+    address = "CUDA error: an illegal memory access was encountered at 0x{}"
+    first = CudaError(1, address.format("7f3a2c000000"), False, 10.0, where=(7, "forward"))
+    on_spare = CudaError(1, address.format("7f19e4000000"), False, 20.0, where=(7, "forward"))
+    assert classify([on_spare], FailureHistory().record_error(first)).kind is Decision.REPEATED
+    assert (
+        error_shape("RuntimeError: refused by 10.0.0.3:29500")
+        == "RuntimeError: refused by <address>"
+    )
+    # any other number a deterministic error computes again: one that changed is not a repeat
+    history = FailureHistory().record_error(CollectiveError(1, LOCAL, 10.0, where=(5, "forward")))
+    other = LOCAL.replace("512", "256")
+    assert classify([CollectiveError(1, other, 20.0, where=(5, "forward"))], history).kind is T
+    assert classify([CollectiveError(1, LOCAL, 20.0, where=(5, "forward"))], history).kind is P
