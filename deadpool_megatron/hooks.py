@@ -48,7 +48,7 @@ def extra_args_provider(inner: Callable | None = None) -> Callable:
     def provider(parser):
         if inner is not None:
             parser = inner(parser)
-        from .megatron.upstream import add_arguments
+        from .megatron.upstream_args import add_arguments
 
         return add_arguments(parser)
 

@@ -29,7 +29,7 @@ from ..control.c10d import StoppableStore, poll_cap
 from ..control.context import JobContext
 from ..events import CHECKPOINT_LOADED
 from ..failure.progress import ProgressBoard
-from ..megatron import checkpointing, cpu_backend, parallel, upstream
+from ..megatron import checkpointing, cpu_backend, parallel, upstream, upstream_args
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.loaders import KeptLoaders
@@ -447,7 +447,7 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
                 "--deadpool with Megatron-LM's pretrain_gpt.py needs deadpool-launch: start it "
                 "with `deadpool-launch --nproc-per-node N [--spares S] pretrain_gpt.py ...`"
             )
-        return upstream.parse_job_config(argv, env.world_size)
+        return upstream_args.parse_job_config(argv, env.world_size)
 
     def train(cfg: JobConfig, env: ProcessEnv, exit_signal: ExitSignal | None) -> int:
         session = UpstreamSession(cfg, env, exit_signal=exit_signal)

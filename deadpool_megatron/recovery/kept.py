@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..megatron.build_calls import replay, unreplayable
 from ..megatron.exchange import all_gather_ints
 from ..megatron.model import TrainState, rehook
+from ..megatron.prebuild import Prebuilt
 from ..megatron.rebind import CannotRebind, rebind
 
 log = logging.getLogger("deadpool.recovery")
@@ -64,6 +65,22 @@ def keep_or_build(
              "performed again for the ranks that build", " built while idle" if prebuilt else "",
              swapped, replayed)  # fmt: skip
     return state
+
+
+def adopt_prebuilt(prebuilt: Prebuilt | None, rank: int, counted: bool) -> tuple[Kept, dict] | None:
+    """A claimed spare's state built while idle, kept as a survivor keeps its own, with the
+    roles of the groups it holds, if the plan counts on it (`counted`: its peers then replay
+    nothing for it); None: it builds."""
+    if prebuilt is None:
+        if counted:  # it builds; its peers learn so in keep_or_build
+            log.warning("building the model: the plan counts on one built while idle for "
+                        "rank %d, and this spare has none", rank)  # fmt: skip
+        return None
+    if not counted:
+        log.info("building the model: the plan does not count on the one built while "
+                 "idle (for rank %d)", prebuilt.rank)  # fmt: skip
+        return None
+    return Kept(prebuilt.state, prebuilt.hooks), dict(prebuilt.roles)
 
 
 def anyone_builds_here(builds: bool, host) -> bool:

@@ -21,8 +21,8 @@ the agent's order to stop, obeyed at a phase boundary); a claimed spare runs the
    (after posting the parts it serves, so that it rolls back while they are read), or, for
    a spare, receive the parameters from one DP peer and the optimizer shard from one ring
    successor, on one host read straight into its live tensors;
-6. verify, with every rank: same generation, membership and iteration, each (tp, pp, dp)
-   shard exactly once;
+6. verify (recovery/verify.py), with every rank: same generation, membership and iteration,
+   each (tp, pp, dp) shard exactly once;
 7. resume: a new protection pipeline, the trainer attached at the plan's iteration, and the
    job context advanced to the generation.
 
@@ -39,7 +39,6 @@ protected its own state.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -57,8 +56,7 @@ from ..errors import CheckpointError, ConfigError
 from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
 from ..megatron.checkpointing import materialize_optimizer_state, optimizer_state_ready
-from ..megatron.exchange import all_gather_ints
-from ..megatron.groups import group_roles, live_groups, stale_groups
+from ..megatron.groups import group_roles, live_groups
 from ..megatron.model import TrainState, build_train_state, unhook
 from ..megatron.prebuild import Prebuilt
 from ..megatron.shard import RankState
@@ -75,12 +73,13 @@ from .exchange import (
     Superseded,
 )
 from .held import Held
-from .kept import Kept, keep_or_build
+from .kept import Kept, adopt_prebuilt, keep_or_build
 from .leftovers import LeftBehind
 from .own_failure import OwnFailure, caused_here
-from .plan import RecoveryPlan, anyone_builds, check_plan, generation_problems
+from .plan import RecoveryPlan, anyone_builds
 from .release import collect_left_behind
 from .transfer import transfer_state
+from .verify import verify_generation, verify_groups_replaced
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -360,22 +359,12 @@ class ProcessRecovery:
         return state, start
 
     def _adopt_prebuilt(self, plan: RecoveryPlan) -> bool:
-        """A claimed spare: keep the state it built while idle, as a survivor keeps its own,
-        if the plan counts on it (its peers then replay nothing for it). True if it does."""
+        """A claimed spare keeps the state it built while idle if the plan counts on it."""
         prebuilt, self._prebuilt = self._prebuilt, None
-        counted = self.env.rank in plan.prebuilt
-        if prebuilt is None:
-            if counted:  # it builds; its peers learn so in keep_or_build
-                log.warning("building the model: the plan counts on one built while idle for "
-                            "rank %d, and this spare has none", self.env.rank)  # fmt: skip
-            return False
-        if not counted:
-            log.info("building the model: the plan does not count on the one built while "
-                     "idle (for rank %d)", prebuilt.rank)  # fmt: skip
-            return False
-        self._kept = Kept(prebuilt.state, prebuilt.hooks)
-        self._roles = dict(prebuilt.roles)
-        return True
+        adopted = adopt_prebuilt(prebuilt, self.env.rank, self.env.rank in plan.prebuilt)
+        if adopted is not None:
+            self._kept, self._roles = adopted
+        return adopted is not None
 
     def _rebound(self, plan_builds: bool, host, prebuilt: bool) -> TrainState | None:
         """The kept state rebound to the new generation (recovery/kept.py), or None: then it
@@ -396,7 +385,7 @@ class ProcessRecovery:
         if self._kept is not None:
             self._roles.update(group_roles())  # what the kept state's groups were for
         parallel.destroy_distributed()
-        self.rendezvous(plan.generation)
+        self.exchange.rendezvous(plan.generation)
         self.abort.rearm()
         # An order that came while rearming may have aborted before the rearm undid it: its
         # peers are leaving, and a group built now would wait on them.
@@ -407,9 +396,6 @@ class ProcessRecovery:
         """kill@R:I:recovery: recovering from a failure in iteration I, groups rebuilt."""
         if self.inject is not None:
             self.inject(self._failed_iteration, "recovery")
-
-    def rendezvous(self, generation: int) -> None:
-        self.exchange.rendezvous(generation)
 
     # -- 5. restore (recovery/transfer.py) ---------------------------------------------------
     def restore(self, rebuilt: Rebuilt, plan: RecoveryPlan, group: dist.ProcessGroup) -> int:
@@ -429,23 +415,12 @@ class ProcessRecovery:
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "transfer_state")
         return restored
 
-    # -- 6. verify ---------------------------------------------------------------------------
+    # -- 6. verify (recovery/verify.py) -----------------------------------------------------
     def verify(
         self, plan: RecoveryPlan, restored: int, rebuilt: Rebuilt, group: dist.ProcessGroup
     ) -> None:
-        """Every rank checks the same facts about everyone before anyone resumes."""
         lap = Lap(self._cpu_clock)
-        check_plan(plan, self.topology)
-        view = int.from_bytes(hashlib.sha1(plan.membership.encode()).digest()[:8], "little",
-                              signed=True)  # fmt: skip
-        mine = (plan.generation, restored, view, *parallel.coordinates())
-        facts = all_gather_ints(mine, group)
-        problems = generation_problems(plan, view, facts, self.topology)
-        if problems:
-            raise RecoveryFailed(
-                f"generation {plan.generation} does not hold at iteration {plan.iteration}: "
-                + "; ".join(problems)
-            )
+        verify_generation(plan, restored, self.topology, group)
         lap.record(rebuilt.phases, rebuilt.phase_cpu, "verify")
 
     # -- 7. resume ---------------------------------------------------------------------------
@@ -463,18 +438,11 @@ class ProcessRecovery:
         rebuilt.trainer.attach(rebuilt.state, iteration, pipeline)
         checked = None
         if self.cfg.deadpool.deadpool_verify_groups:
-            # The retired groups are held on purpose, apart from the training objects, until
-            # the collection after the first resumed iteration releases them.
-            reachable, stale = stale_groups(
+            # the retired groups are held on purpose until the collection after the first
+            # resumed iteration releases them
+            checked = verify_groups_replaced(
                 rebuilt.old_groups, rebuilt.trainer, self, skip=(self._retired,)
             )
-            if stale:
-                raise RecoveryFailed(
-                    f"{len(stale)} reference(s) to process groups from before the recovery "
-                    f"remain: {stale[:5]}"
-                )
-            checked = reachable
-            log.info("verified: %d process groups reachable, none from before", reachable)
         rebuilt.old_groups.clear()
         self._kept = None  # resumed: from here on the trainer holds it
         self.ctx.advance(plan.generation)
@@ -527,9 +495,5 @@ class ProcessRecovery:
             self.bytes_moved = 0
             self._collect_previous_generation()
         p = trainer.pipeline
-        if self.held.snapshots and p is not None:
-            protected = p.committed_iteration() >= 0 and all(
-                p.replicator.committed_iteration(src) >= 0 for src in p.replicator.predecessors
-            )
-            if protected:
-                self.held = Held()
+        if self.held.snapshots and p is not None and p.replicated(0):
+            self.held = Held()

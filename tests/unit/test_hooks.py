@@ -13,7 +13,7 @@ import pytest
 
 from deadpool_megatron import hooks
 from deadpool_megatron.errors import ConfigError
-from deadpool_megatron.megatron.upstream import parse_job_config
+from deadpool_megatron.megatron.upstream_args import parse_job_config
 from deadpool_megatron.megatron.upstream_loop import (
     EvaluationRecord,
     LoopCounts,

@@ -151,15 +151,15 @@ def test_rendezvous_waits_for_everyone_names_who_is_missing_and_yields_to_a_newe
     for r in (0, 2):
         kv.set(keys.arrived(JOB, 1, r), Flag(str(r)).encode())
     time_.at.append((2.0, lambda: kv.set(keys.arrived(JOB, 1, 3), Flag("3").encode())))
-    recovery.rendezvous(1)
+    recovery.exchange.rendezvous(1)
     assert time_.t >= 2.0
     ctx.see_order(2)
     kv.set(keys.arrived(JOB, 2, 0), Flag("0").encode())
     with pytest.raises(RecoveryFailed, match=r"ranks \[2, 3\] never joined"):
-        recovery.rendezvous(2)
+        recovery.exchange.rendezvous(2)
     time_.at.append((time_.t + 0.5, lambda: ctx.see_order(3)))
     with pytest.raises(Superseded, match="generation 3 was ordered while meeting"):
-        recovery.rendezvous(2)
+        recovery.exchange.rendezvous(2)
 
 
 def test_an_order_that_comes_while_the_communicators_are_rearmed_stops_the_rebuild(kv):
