@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from megatron_lm_jobs import DP4, launch, run
+from megatron_lm_jobs import DP4, MODEL, launch, run
 
 from jobs import ROOT
 
@@ -199,6 +199,41 @@ def test_upstream_overlapped_param_gather_hot_swap_is_bitwise(megatron_lm, tmp_p
     )
     assert "spare 0 claimed: takes over rank 1 in generation 1" in output
     assert output.count("parameters gathered from every rank's optimizer shard") == 4
+    assert sorted(losses) == list(range(1, 13))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_indexed_dataset_hot_swap_of_rank_0_is_bitwise(megatron_lm, tmp_path):
+    # A Megatron indexed dataset (--data-path, what users train on; the other tests use
+    # --mock-data) with a validation split evaluated every 3 iterations: GPTDataset's
+    # indices are built by rank 0 first and cached beside the data, the others read them.
+    # Rank 0 dies, so the spare that takes its place is the rank that builds first in the
+    # recovery's set-up: it finds the cache and the run ends as the failure-free one.
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(
+        "".join(
+            f"{' '.join(['the', 'quick', 'brown', 'fox'][: 1 + i % 4])} "
+            f"jumps {i % 13} over the lazy dog\n"
+            for i in range(3000)
+        )
+    )
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), "--input",
+                    str(corpus), "--output-prefix", str(tmp_path / "corpus")],
+                   check=True, capture_output=True, timeout=120)  # fmt: skip
+    model = [a for a in MODEL if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
+    for flag, value in (("--split", "90,10,0"), ("--eval-iters", "2"), ("--eval-interval", "3")):
+        model[model.index(flag) + 1] = value
+    losses, final, free = run(megatron_lm, tmp_path, "data_free", [], model=model)
+    got, got_final, output = run(
+        megatron_lm, tmp_path, "data_swap", ["--deadpool-inject", "kill@0:5"], model=model
+    )
+    assert "spare 0 claimed: takes over rank 0 in generation 1" in output
+    assert list((tmp_path / "corpus" / "cache").iterdir()), "GPTDataset cached no indices"
+
+    def validation(log: str) -> list[str]:
+        return re.findall(r"validation loss at iteration .*", log)
+
+    assert len(validation(free)) == 5 and validation(output) == validation(free)
     assert sorted(losses) == list(range(1, 13))
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
