@@ -23,9 +23,17 @@ log = logging.getLogger("deadpool.upstream")
 
 def reset_global_state() -> None:
     """Before Megatron-LM's pretrain() runs again in this process: its globals (arguments,
-    timers, microbatch calculator, buffers, parallel state, rerun machine) and every group."""
+    timers, microbatch calculator, buffers, parallel state, rerun machine) and every group.
+    The last rank's TensorBoard writer is closed first: Megatron-LM only drops it, and the
+    pretrain() run again opens a new one (a new event file in the same directory), so each
+    hot-swap left the old writer's thread behind, and its queued scalars unwritten until
+    that thread's next flush (every 120 s)."""
+    from megatron.training.global_vars import get_tensorboard_writer
     from megatron.training.training import destroy_global_state
 
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.close()
     destroy_global_state()
     destroy_distributed()
 
@@ -244,6 +252,19 @@ def _valid_count_as_given(carried: bool) -> Iterator[None]:
         yield
     finally:
         args.iteration = iteration
+
+
+def flush_tensorboard() -> None:
+    """Write the last rank's queued TensorBoard scalars (Megatron-LM logs an iteration's
+    after its step) before the next iteration starts. A hot-swap resumes from the last
+    protected iteration without running it again, so scalars that a killed last rank still
+    held (its writer's queue; a buffered file, with TensorFlow's file layer) would be missing
+    for good: with a checkpoint-restart the replay writes them again."""
+    from megatron.training.global_vars import get_tensorboard_writer
+
+    writer = get_tensorboard_writer()
+    if writer is not None:
+        writer.flush()
 
 
 def evaluations_reported(starts: Callable[[int], None], ends: Callable[[int], None]) -> bool:

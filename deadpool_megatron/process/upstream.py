@@ -378,6 +378,7 @@ class UpstreamSession(ProtectedLoop):
         if not self._loop_started:  # this set-up's loop starts: what it counts from
             self._counts, self._loop_started = upstream.loop_counts(), True
             self.counts_carried = False
+        upstream.flush_tensorboard()  # the previous iteration's scalars, before this one
         super().before_step(iteration)
 
     def after_step(self, iteration: int, loss_dict: dict) -> None:

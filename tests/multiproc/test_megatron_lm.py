@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import subprocess
 import sys
 
@@ -236,6 +237,37 @@ def test_upstream_indexed_dataset_hot_swap_of_rank_0_is_bitwise(megatron_lm, tmp
     assert len(validation(free)) == 5 and validation(output) == validation(free)
     assert sorted(losses) == list(range(1, 13))
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_tensorboard_holds_every_iterations_loss_across_hot_swaps(
+    megatron_lm, failure_free, tmp_path
+):
+    # --tensorboard-dir: the last rank writes the scalars. It survives the first failure
+    # (its pretrain() run again closes the old writer and opens a new event file) and dies in
+    # the second (the spare that takes its place writes on). Read back from every event file,
+    # each iteration's loss is there with the failure-free run's value, once, but for an
+    # iteration run again (a roll-back past the last completed iteration), which is twice.
+    pytest.importorskip("tensorboard", reason="--tensorboard-dir needs the tensorboard package")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    *_, output = run(megatron_lm, tmp_path, "tb_swaps",
+        ["--tensorboard-dir", str(tb), "--deadpool-inject", "kill@1:5,kill@3:9"], spares=2)  # fmt: skip
+    rolled_to = [int(n) for n in re.findall(r"roll back to iteration (\d+)", output)]
+    assert len(rolled_to) == 2, output[-3000:]
+    again = [i for start, killed in zip(rolled_to, (5, 9)) for i in range(start + 1, killed)]
+    files = sorted(tb.iterdir())
+    assert len(files) == 3, files  # generation 0's, the survivor's new one, the spare's
+    written: dict[int, list[float]] = {}
+    for events in files:
+        scalars = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        scalars.Reload()
+        for point in scalars.Scalars("lm loss"):
+            written.setdefault(point.step, []).append(point.value)
+    losses, _ = failure_free
+    as_written = {i: [float(struct.unpack("f", struct.pack("f", float.fromhex(h)))[0])]
+                  * (1 + again.count(i)) for i, h in losses.items()}  # fmt: skip
+    assert written == as_written
 
 
 @pytest.mark.parametrize(
