@@ -204,24 +204,22 @@ def test_upstream_overlapped_param_gather_hot_swap_is_bitwise(megatron_lm, tmp_p
     assert got == losses and got_final["state_digest"] == final["state_digest"]
 
 
-def test_upstream_indexed_dataset_hot_swap_of_rank_0_is_bitwise(megatron_lm, tmp_path):
-    # A Megatron indexed dataset (--data-path, what users train on; the other tests use
-    # --mock-data) with a validation split evaluated every 3 iterations: GPTDataset's
-    # indices are built by rank 0 first and cached beside the data, the others read them.
-    # Rank 0 dies, so the spare that takes its place is the rank that builds first in the
-    # recovery's set-up: it finds the cache and the run ends as the failure-free one.
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(
-        "".join(
-            f"{' '.join(['the', 'quick', 'brown', 'fox'][: 1 + i % 4])} "
-            f"jumps {i % 13} over the lazy dog\n"
-            for i in range(3000)
-        )
-    )
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), "--input",
-                    str(corpus), "--output-prefix", str(tmp_path / "corpus")],
-                   check=True, capture_output=True, timeout=120)  # fmt: skip
-    model = [a for a in MODEL if a != "--mock-data"] + ["--data-path", str(tmp_path / "corpus")]
+def test_upstream_blended_indexed_datasets_hot_swap_of_rank_0_is_bitwise(megatron_lm, tmp_path):
+    # A blend of two Megatron indexed datasets (--data-path 0.7 A 0.3 B, what users train on;
+    # the other tests use --mock-data) with a validation split evaluated every 3 iterations:
+    # GPTDataset's indices are built by rank 0 first and cached beside the data, the others
+    # read them. Rank 0 dies, so the spare that takes its place is the rank that builds first
+    # in the recovery's set-up: it finds the cache and the run ends as the failure-free one.
+    blend = []
+    for name, weight, words in (("a", "0.7", "the quick brown fox"), ("b", "0.3", "alpha beta")):
+        corpus = tmp_path / f"{name}.txt"
+        corpus.write_text("".join(f"{words} {i % 13} jumps {' '.join(words.split()[: i % 3])}\n"
+                                  for i in range(2000)))  # fmt: skip
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), "--input",
+                        str(corpus), "--output-prefix", str(tmp_path / name)],
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        blend += [weight, str(tmp_path / name)]
+    model = [a for a in MODEL if a != "--mock-data"] + ["--data-path", *blend]
     for flag, value in (("--split", "90,10,0"), ("--eval-iters", "2"), ("--eval-interval", "3")):
         model[model.index(flag) + 1] = value
     losses, final, free = run(megatron_lm, tmp_path, "data_free", [], model=model)
@@ -229,7 +227,10 @@ def test_upstream_indexed_dataset_hot_swap_of_rank_0_is_bitwise(megatron_lm, tmp
         megatron_lm, tmp_path, "data_swap", ["--deadpool-inject", "kill@0:5"], model=model
     )
     assert "spare 0 claimed: takes over rank 0 in generation 1" in output
-    assert list((tmp_path / "corpus" / "cache").iterdir()), "GPTDataset cached no indices"
+    for name in ("a", "b"):
+        assert list((tmp_path / name / "cache").iterdir()), (
+            f"GPTDataset cached no indices of {name}"
+        )
 
     def validation(log: str) -> list[str]:
         return re.findall(r"validation loss at iteration .*", log)
