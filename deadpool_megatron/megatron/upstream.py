@@ -255,11 +255,8 @@ def _valid_count_as_given(carried: bool) -> Iterator[None]:
 
 
 def flush_tensorboard() -> None:
-    """Write the last rank's queued TensorBoard scalars (Megatron-LM logs an iteration's
-    after its step) before the next iteration starts. A hot-swap resumes from the last
-    protected iteration without running it again, so scalars that a killed last rank still
-    held (its writer's queue; a buffered file, with TensorFlow's file layer) would be missing
-    for good: with a checkpoint-restart the replay writes them again."""
+    """Write the last rank's queued TensorBoard scalars to their file (called off the
+    training thread, as each iteration starts: log_flush.py says why)."""
     from megatron.training.global_vars import get_tensorboard_writer
 
     writer = get_tensorboard_writer()

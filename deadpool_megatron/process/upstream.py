@@ -33,6 +33,7 @@ from ..megatron import checkpointing, cpu_backend, parallel, upstream, upstream_
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.loaders import KeptLoaders
+from ..megatron.log_flush import Flusher
 from ..megatron.model import TrainState, train_state
 from ..megatron.upstream_loop import (
     EvaluationRecord,
@@ -129,6 +130,7 @@ class UpstreamSession(ProtectedLoop):
         self._evaluations = EvaluationRecord()
         self._evaluate_again: int | None = None  # the iteration whose evaluation runs again
         self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
+        self._log_flush = Flusher(upstream.flush_tensorboard)
         upstream.restores_skip_load(self._restoring)
 
     # -- the process ---------------------------------------------------------------------------
@@ -220,6 +222,7 @@ class UpstreamSession(ProtectedLoop):
         upstream.reset_global_state()
 
     def _close(self) -> None:
+        self._log_flush.close()
         if self.watcher is not None:
             self.watcher.stop()
         self.guard.close()
@@ -378,7 +381,7 @@ class UpstreamSession(ProtectedLoop):
         if not self._loop_started:  # this set-up's loop starts: what it counts from
             self._counts, self._loop_started = upstream.loop_counts(), True
             self.counts_carried = False
-        upstream.flush_tensorboard()  # the previous iteration's scalars, before this one
+        self._log_flush.request()  # the previous iteration's scalars (log_flush.py says why)
         super().before_step(iteration)
 
     def after_step(self, iteration: int, loss_dict: dict) -> None:
