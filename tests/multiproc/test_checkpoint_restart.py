@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+from hotswap_jobs import TOGETHER
 
 from deadpool_megatron.events import read_events
 from deadpool_megatron.megatron.checkpointing import latest_iteration
@@ -82,13 +83,14 @@ def test_kill_during_a_save_never_loads_the_incomplete_checkpoint(tmp_path, base
 
 
 def test_unrecoverable_hot_swap_falls_back_to_the_checkpoint(tmp_path):
-    # DP4, K=1: ranks 1 and 2 (ring neighbours) die together, so rank 1's optimizer shard is
-    # lost from memory; with --save the job restarts from its checkpoint instead of stopping.
+    # DP4, K=1: ranks 1 and 2 (ring neighbours) die together (at iteration 5's optimizer step,
+    # TOGETHER), so rank 1's optimizer shard is lost from memory; with --save the job restarts
+    # from its checkpoint instead of stopping.
     base = run_job(tmp_path, 4, SHAPE_DP4, name="baseline")
     assert base.returncode == 0, base.failure()
     log = tmp_path / "events.jsonl"
     args = [*SHAPE_DP4, "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
-            "--deadpool-inject", "kill@1:5,kill@2:5", "--deadpool-event-log", str(log)]  # fmt: skip
+            "--deadpool-inject", TOGETHER, "--deadpool-event-log", str(log)]  # fmt: skip
     result = run_job(tmp_path, 4, args, spares=2)
     assert result.returncode == 0, result.failure()
     assert result.losses == base.losses and result.digest == base.digest
