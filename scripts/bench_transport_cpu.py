@@ -15,8 +15,15 @@ CPU time (its thread's, medians after one warm-up round):
   spawned apart and joined by MPI_Comm_connect/accept (mpi_connected), as a spare started
   after the job would join a ring.
 
+With --mpi-python it also kills one of three ranks under `mpirun --with-ft ulfm` while
+another waits in a receive from it, three ways (no failure detector; the detector's
+heartbeats sent from the ranks' own MPI calls; sent by its own thread), and reports when that
+receive failed, counted from the death, and what revoking and shrinking the world cost.
+
 The last line is JSON: {"size_mib", "rounds", "mechanisms": {NAME: {"wall_ms",
-"sender_cpu_ms", "receiver_cpu_ms", "cpu_ms"}}, "cpu_vs_pull": {NAME: ratio}}.
+"sender_cpu_ms", "receiver_cpu_ms", "cpu_ms"}}, "cpu_vs_pull": {NAME: ratio}}, with
+--mpi-python also "dead_peer": {RUN: {"error_after_s", "error", "shrink_s"}} (None where the
+receive did not fail within 10 s; error_after_s < 0 where the rank was accused alive).
 
     python scripts/bench_transport_cpu.py                              # pull and stream
     bash scripts/setup_mpi.sh && python scripts/bench_transport_cpu.py --mpi-python .venv-mpi/bin/python
