@@ -20,10 +20,12 @@ another waits in a receive from it, three ways (no failure detector; the detecto
 heartbeats sent from the ranks' own MPI calls; sent by its own thread), and reports when that
 receive failed, counted from the death, and what revoking and shrinking the world cost.
 
-The last line is JSON: {"size_mib", "rounds", "mechanisms": {NAME: {"wall_ms",
-"sender_cpu_ms", "receiver_cpu_ms", "cpu_ms"}}, "cpu_vs_pull": {NAME: ratio}}, with
---mpi-python also "dead_peer": {RUN: {"error_after_s", "error", "shrink_s"}} (None where the
-receive did not fail within 10 s; error_after_s < 0 where the rank was accused alive).
+Writes --out (JSON) and a PNG beside it; the last line printed is JSON: {"size_mib",
+"rounds", "mechanisms": {NAME: {"wall_ms", "sender_cpu_ms", "receiver_cpu_ms", "cpu_ms"}},
+"cpu_vs_pull": {NAME: ratio}}, with --mpi-python also "dead_peer": {RUN: {"error_after_s",
+"error", "shrink_s", "crashed"}} (None where the receive did not fail within 10 s;
+error_after_s < 0 where the rank was accused alive; "crashed": the signal of a survivor that
+crashed inside Open MPI, else None).
 
     python scripts/bench_transport_cpu.py                              # pull and stream
     bash scripts/setup_mpi.sh && python scripts/bench_transport_cpu.py --mpi-python .venv-mpi/bin/python
@@ -36,6 +38,7 @@ import ctypes
 import json
 import multiprocessing as mp
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -44,6 +47,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_path import results_file  # noqa: E402 (this folder, as a script)
+
 MIB = 1 << 20
 RESULT_TAG = "BENCH_TRANSPORT_RESULT "
 
@@ -222,7 +228,7 @@ def _mpi_dead_peer(wait_s: float) -> None:
         os._exit(9)
     death = world.recv(source=0)
     request = world.Irecv([bytearray(8), 8, mpi.BYTE], source=0, tag=9)
-    result = {"error_after_s": None, "error": None, "shrink_s": None}
+    result = {"error_after_s": None, "error": None, "shrink_s": None, "crashed": None}
     while time.time() < death + wait_s:
         try:
             if request.Test():
@@ -278,6 +284,20 @@ def _run_mpi(python: str, size: int, rounds: int, timeout: float) -> dict:
     return out
 
 
+def dead_peer_outcome(output: str) -> dict | None:
+    """A dead-peer run's result from its mpirun's output (which fails these runs: rank 0 dies
+    on purpose): rank 1's line, or a survivor that crashed inside Open MPI (seen once in about
+    40 runs here), or None where neither shows."""
+    lines = [ln for ln in output.splitlines() if ln.startswith(RESULT_TAG)]
+    if lines:
+        return json.loads(lines[-1][len(RESULT_TAG) :])
+    crash = re.search(r"Signal: (.+)", output)
+    if crash:
+        return {"error_after_s": None, "error": None, "shrink_s": None,
+                "crashed": crash.group(1).strip()}  # fmt: skip
+    return None
+
+
 def _run_dead_peer(python: str, timeout: float) -> dict:
     mpirun = str(Path(python).parent / "mpirun")
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
@@ -286,11 +306,10 @@ def _run_dead_peer(python: str, timeout: float) -> dict:
         cmd = [mpirun, *root, "--oversubscribe", "-n", "3", *options, python, __file__,
                "--role", "mpi-dead-peer"]  # fmt: skip
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        lines = [ln for ln in run.stdout.splitlines() if ln.startswith(RESULT_TAG)]
-        if not lines:  # mpirun itself fails these runs: a rank died (rank 0, on purpose)
+        out[name] = dead_peer_outcome(run.stdout + run.stderr)
+        if out[name] is None:
             tail = (run.stdout + run.stderr)[-2000:]
             raise RuntimeError(f"dead peer {name}: no result from {' '.join(cmd)}:\n{tail}")
-        out[name] = json.loads(lines[-1][len(RESULT_TAG) :])
     return out
 
 
@@ -312,6 +331,31 @@ def _mpi_python(value: str) -> str:
     return str(path.absolute())
 
 
+def plot(result: dict, path: Path) -> None:
+    """Each mechanism's CPU per transfer, the sender's and the receiver's stacked."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    names = list(result["mechanisms"])
+    send = [result["mechanisms"][n]["sender_cpu_ms"] for n in names]
+    recv = [result["mechanisms"][n]["receiver_cpu_ms"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, recv, color="tab:blue", label="receiver")
+    ax.bar(names, send, bottom=recv, color="tab:orange", label="sender")
+    for i, n in enumerate(names):
+        ax.text(i, send[i] + recv[i], f"{result['cpu_vs_pull'][n]:.2f}x", ha="center", va="bottom")
+    ax.set_ylabel("CPU ms per transfer (median)")
+    ax.set_title(f"{result['size_mib']:g} MiB from one process to another: CPU by mechanism")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--size-mib", type=float, default=41.0, help="bytes per transfer (MiB)")
@@ -319,6 +363,8 @@ def main(argv=None) -> dict | None:
     p.add_argument("--mpi-python", type=_mpi_python, default=None,
                    help="a Python with mpi4py and Open MPI: adds the MPI rows")  # fmt: skip
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per mpirun")
+    p.add_argument("--out", default=str(ROOT / "runs" / "bench_transport_cpu.json"),
+                   type=results_file, help="the results' JSON; a PNG of the same name beside it")  # fmt: skip
     roles = ["main", "mpi-world", "mpi-spawner", "mpi-connected", "mpi-dead-peer"]
     p.add_argument("--role", default="main", choices=roles, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -354,6 +400,8 @@ def main(argv=None) -> dict | None:
         shrink = (
             "" if d["shrink_s"] is None else f", revoke and shrink {d['shrink_s'] * 1e3:.1f} ms"
         )
+        if d["crashed"]:
+            failed = f"none: a survivor crashed ({d['crashed']})"
         print(f"  a dead peer over MPI ({name}): a pending receive failed: {failed}{shrink}")
     result = {
         "size_mib": a.size_mib,
@@ -363,6 +411,11 @@ def main(argv=None) -> dict | None:
     }
     if dead_peer is not None:
         result["dead_peer"] = dead_peer
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(f"results in {out} and {out.with_suffix('.png')}")
     print(json.dumps(result), flush=True)
     return result
 
