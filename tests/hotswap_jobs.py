@@ -3,6 +3,8 @@ job run with faults injected and its event log, and what a recovered run must sh
 
 from __future__ import annotations
 
+import re
+
 from deadpool_megatron.events import read_events
 from jobs import ROOT, run_job
 
@@ -55,6 +57,13 @@ def assert_same_run(result, baseline):
 def replays(result) -> int:
     """How many iteration executions were repeats (one metrics line per execution)."""
     return sum(len(runs) - 1 for runs in result.executions.values())
+
+
+def held_snapshots(output: str, rank: int, generation: int) -> list[int]:
+    """The snapshots worker `rank` said it held as `generation`'s recovery began (its log)."""
+    pattern = rf"\[worker {rank}\] .*generation {generation}: holding snapshots \[([\d, ]*)\]"
+    (held,) = re.findall(pattern, output)
+    return [int(i) for i in held.split(",") if i.strip()]
 
 
 def assert_recovered(events, recoveries: int = 1, interval: int = 1):

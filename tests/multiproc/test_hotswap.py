@@ -18,6 +18,7 @@ from hotswap_jobs import (
     TOGETHER,
     assert_recovered,
     assert_same_run,
+    held_snapshots,
     named,
     replays,
     run_injected,
@@ -76,8 +77,12 @@ def test_killed_rank_is_replaced_by_a_spare_bitwise(tmp_path, baseline_pp2, spec
     if victim != 3:  # rank 3 writes the metrics: killed, its last line may be missing
         # A replayed iteration's first run has its metrics line, also when the order stopped
         # rank 3 between that iteration's optimizer step and its snapshot (seen in one run of
-        # kill@0:6: it snapshots the iteration, then obeys).
-        assert replays(result) == done["replayed_iterations"]
+        # kill@0:6: it snapshots the iteration, then obeys). Rank 3 repeats what it had done
+        # beyond the roll-back: with PP2 the last stage can still be in the iteration the
+        # first stage has finished (seen in a fresh-clone suite, kill@0:6: rank 1 held 5,
+        # rank 3 only 4), and then repeats none of the one iteration the recovery replays.
+        beyond = max(held_snapshots(result.output, rank=3, generation=1)) - done["iteration"]
+        assert replays(result) == beyond <= done["replayed_iterations"]
 
 
 @pytest.mark.parametrize(
