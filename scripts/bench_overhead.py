@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -322,7 +323,14 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker_result:
-        return run_worker(a, job_flags(a))
+        code = run_worker(a, job_flags(a))
+        # As pretrain_gpt.py ends: everything is written and every group destroyed. The
+        # interpreter's own teardown of torch once ended a worker here with "terminate called
+        # without an active exception" (SIGABRT) after its results were out.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     worker_result = out.with_suffix(".ranks.json")
