@@ -288,7 +288,7 @@ def dead_peer_outcome(output: str) -> dict:
     """A dead-peer run's result from its mpirun's output (which fails these runs: rank 0 dies
     on purpose): rank 1's line, else why there is none: a survivor that crashed inside Open
     MPI (seen once in about 40 runs here), or the survivors ended by mpirun without a word
-    (seen once in about 10 runs without the detector), both Open MPI's doing."""
+    (seen once in about 15 runs without the detector), both Open MPI's doing."""
     lines = [ln for ln in output.splitlines() if ln.startswith(RESULT_TAG)]
     if lines:
         return json.loads(lines[-1][len(RESULT_TAG) :])
