@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from results_path import results_file  # noqa: E402 (this folder, as a script)
+from results_path import pyplot, results_file  # noqa: E402 (this folder, as a script)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -288,13 +288,8 @@ def _transport_figures(a, ranks, t, per_iter, state, cpu, median_off) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     its = [int(i) for i in summary["per_iteration_ms"]]
     ms = list(summary["per_iteration_ms"].values())

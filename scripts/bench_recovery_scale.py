@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_recovery import HOTSWAP_PHASES as PHASES  # noqa: E402 (this folder, as a script)
-from results_path import results_file  # noqa: E402 (this folder, as a script)
+from results_path import pyplot, results_file  # noqa: E402 (this folder, as a script)
 
 from deadpool_megatron.events import read_events  # noqa: E402
 from deadpool_megatron.runtime import ENV_GROUP_PER_ROLE  # noqa: E402
@@ -298,13 +298,8 @@ def _variant(runs: dict[int, dict], counts: list[int], key: str, name: str) -> d
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     counts = [int(n) for n in summary["recovery_s"]]
     fig, ax = plt.subplots(figsize=(8, 4.5))

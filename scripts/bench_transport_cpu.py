@@ -48,7 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_path import results_file  # noqa: E402 (this folder, as a script)
+from results_path import pyplot, results_file  # noqa: E402 (this folder, as a script)
 
 MIB = 1 << 20
 RESULT_TAG = "BENCH_TRANSPORT_RESULT "
@@ -331,13 +331,8 @@ def _mpi_python(value: str) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Each mechanism's CPU per transfer, the sender's and the receiver's stacked."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return
     names = list(result["mechanisms"])
     send = [result["mechanisms"][n]["sender_cpu_ms"] for n in names]
