@@ -215,6 +215,12 @@ class Drivers:
         self._forks.close()
 
 
+def run_script(name: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python scripts/NAME ARGV...` as a user runs it, stdout and stderr captured apart."""
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *argv],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
 def _last_json(text: str) -> dict:
     """A driver's stdout and stderr share one pipe: its result is the last line that is a JSON
     object (stderr may have written after it)."""

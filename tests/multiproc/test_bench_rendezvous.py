@@ -5,21 +5,19 @@ before any process starts."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from jobs import ROOT
+from jobs import run_script
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-SCRIPT = str(ROOT / "scripts" / "bench_rendezvous.py")
+SCRIPT = "bench_rendezvous.py"
 
 
 def test_both_ways_build_the_groups_and_the_last_line_compares_them():
-    done = subprocess.run([sys.executable, SCRIPT, "--nproc", "2", "--tp", "1", "--pp", "1",
-                           "--rounds", "2"], capture_output=True, text=True, timeout=240)  # fmt: skip
+    done = run_script(SCRIPT, "--nproc", "2", "--tp", "1", "--pp", "1", "--rounds", "2",
+                      timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["nproc"] == 2 and result["rounds"] == 2
@@ -33,6 +31,5 @@ def test_both_ways_build_the_groups_and_the_last_line_compares_them():
      (["--rounds", "0"], "--rounds 0, --tp 2 and --pp 2 must be 1 or more")],
 )  # fmt: skip
 def test_bad_input_is_refused_before_any_process(argv, message):
-    done = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = run_script(SCRIPT, *argv)
     assert done.returncode == 2 and message in done.stderr

@@ -10,20 +10,19 @@ import sys
 
 import pytest
 
-from jobs import ROOT
+from jobs import ROOT, run_script
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 
-SCRIPT = str(ROOT / "scripts" / "bench_transport_cpu.py")
+SCRIPT = "bench_transport_cpu.py"
 LOCAL = {"pull", "stream"}
 MPI = {"mpi_sm", "mpi_tcp", "mpi_connected"}
 
 
 def _bench(tmp_path, *argv: str) -> dict:
     out = tmp_path / "transport.json"
-    done = subprocess.run([sys.executable, SCRIPT, "--size-mib", "2", "--rounds", "3",
-                           "--out", str(out), *argv], capture_output=True, text=True,
-                          timeout=240)  # fmt: skip
+    done = run_script(SCRIPT, "--size-mib", "2", "--rounds", "3", "--out", str(out), *argv,
+                      timeout=240)  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert json.loads(out.read_text()) == result
@@ -98,6 +97,5 @@ def test_a_dead_peer_run_reads_its_result_or_why_there_is_none_from_mpiruns_outp
      (["--out", "/tmp"], "'/tmp' is a directory; give the results' file")],
 )  # fmt: skip
 def test_bad_input_is_refused_before_any_process(argv, message):
-    done = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = run_script(SCRIPT, *argv)
     assert done.returncode == 2 and message in done.stderr
