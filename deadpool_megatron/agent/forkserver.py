@@ -22,6 +22,7 @@ The protocol, over an AF_UNIX SOCK_SEQPACKET pair (one JSON message per packet):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -37,6 +38,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 from ..runtime import die_with_parent
 
@@ -250,8 +252,8 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> None:
-    """Set the forked child up as `python -u argv[0] ...` would start, then run the script."""
+def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> NoReturn:
+    """Set the forked child up as `python -u argv[0] ...` would start, run the script, exit."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter has them
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.dup2(stdout_fd, 1)
@@ -280,7 +282,48 @@ def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> None:
               "the preloaded one: starting it as its own interpreter", file=sys.stderr)  # fmt: skip
         os.execve(sys.executable, [sys.executable, "-u", *sys.argv], request.env)
     _fresh_per_process_state(request.env)
-    runpy.run_path(script, run_name="__main__")
+    os._exit(run_script(script))
+
+
+def run_script(script: str) -> int:
+    """Run the script, then what an interpreter's ending does that a script relies on (its
+    threads joined, its atexit handlers, the streams flushed), and return the status `python
+    script` would exit with; the child then exits without the rest of the teardown. Why: tearing
+    down the torch and megatron-core the server imported takes seconds, and once aborted a
+    worker after its results were out (SIGABRT, "terminate called without an active
+    exception"), which its agent counts as a failure."""
+    interrupted = False
+    try:
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_status(exit_.code)
+    except BaseException as err:  # noqa: BLE001 (reported as the interpreter would)
+        sys.excepthook(type(err), err, err.__traceback__)
+        interrupted, code = isinstance(err, KeyboardInterrupt), 1
+    with contextlib.suppress(BaseException):
+        getattr(threading, "_shutdown", lambda: None)()  # joins the non-daemon threads
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()  # prints a failing handler's error, as the interpreter does
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    if interrupted:  # an uncaught Ctrl-C ends the interpreter by SIGINT, as its shell expects
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def exit_status(code: object) -> int:
+    """The status `sys.exit(code)` ends an interpreter with: None is 0, an integer itself,
+    anything else is printed to stderr and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    with contextlib.suppress(BaseException):
+        print(code, file=sys.stderr)
+    return 1
 
 
 def shadowed_preloads(folder: str, preloaded: list[str]) -> list[str]:

@@ -93,6 +93,62 @@ def test_a_child_runs_its_script_as_python_would_and_its_exit_is_reported(server
     assert child.poll() == 3
 
 
+ENDING = """
+import atexit, os, sys, threading, time
+
+class AbortsAtTeardown:  # what a native library's teardown did to a worker once (SIGABRT)
+    def __del__(self):
+        os.abort()
+
+kept = AbortsAtTeardown()
+out = sys.argv[1]
+atexit.register(lambda: open(os.path.join(out, "atexit"), "w").write("ran"))
+
+def late():
+    time.sleep(0.3)
+    open(os.path.join(out, "thread"), "w").write("joined")
+
+threading.Thread(target=late).start()
+print("unflushed", end="")
+how = sys.argv[2]
+if how == "raise":
+    raise RuntimeError("the script failed")
+if how == "message":
+    sys.exit("a message instead of a status")
+if how == "interrupt":
+    raise KeyboardInterrupt
+sys.exit(None if how == "none" else int(how))
+"""
+
+
+@pytest.mark.parametrize(
+    "how, code, err",
+    [("none", 0, ""), ("7", 7, ""), ("300", 300 & 0xFF, ""),
+     ("raise", 1, "RuntimeError: the script failed"),
+     ("message", 1, "a message instead of a status"),
+     ("interrupt", -signal.SIGINT, "KeyboardInterrupt")],
+)  # fmt: skip
+def test_a_child_ends_as_python_would_but_without_the_interpreter_s_teardown(
+    server, tmp_path, how, code, err
+):
+    """Its threads are joined, its atexit handlers run and its output flushed, and it exits
+    with the status `python script` would; the teardown after that (which aborts here, as
+    torch's once did after a worker's last iteration) is skipped."""
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    child = server.spawn([str(script), str(tmp_path), how], {}, str(tmp_path))
+    out = child.stdout.read().decode()
+    assert child.wait(30) == code
+    assert out.startswith("unflushed")
+    assert err in out
+    assert (tmp_path / "thread").read_text() == "joined"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    # the same script in a fresh interpreter: its teardown aborts it
+    if how == "none":
+        fresh = subprocess.run([sys.executable, str(script), str(tmp_path), how], timeout=60)
+        assert fresh.returncode == -signal.SIGABRT
+
+
 def test_siblings_draw_different_random_numbers(server, tmp_path):
     first, _, _ = _run(server, tmp_path, 0)
     second, _, _ = _run(server, tmp_path, 0)
