@@ -19,10 +19,10 @@ SHAPE_3D = [*DEMO, "--train-iters", "10", "--deadpool", *HEARTBEATS]
 # DP4 on 4 processes: the ring 0 -> 1 -> 2 -> 3 -> 0.
 SHAPE_DP4 = [*DEMO, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
              "--train-iters", "10", "--deadpool", *HEARTBEATS]  # fmt: skip
-# Ranks 1 and 2 die together: at the optimizer step of iteration 5, which every rank enters
-# within milliseconds of the others (after the gradients' reduce-scatter). At the forward pass
-# a rank can still be finishing the iteration before while its peer dies: it was then told
-# of the first death before it reached its own and died in the replay, a second recovery.
+# Ranks 1 and 2 die together at the optimizer step of iteration 5: kills of several ranks at
+# one point wait for each other there (inject.companions). Without that, a busy machine once
+# let rank 2's death start a recovery that stopped rank 1 before it got there; rank 1 then died
+# in the replay, a second recovery, and the "unrecoverable" test saw the job recover.
 TOGETHER = "kill@1:5:optimizer,kill@2:5:optimizer"
 # Dropout 0.1 on attention scores (megatron's RNG tracker) and hidden states (torch's generator):
 # a restored rank draws the same masks only if every RNG came back with its state.

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from urllib.parse import urlsplit
 
 from ..config import DeadpoolConfig
@@ -33,6 +34,8 @@ from .messages import (
     TrainingEnd,
     spare_id,
 )
+from .store import StoreTimeout
+from .wait import wait_until
 
 
 def connect(env: ProcessEnv, settings: DeadpoolConfig, timeout_s: float = 30.0) -> JobContext:
@@ -50,6 +53,7 @@ def control_ports(env: ProcessEnv, settings: DeadpoolConfig) -> set[int]:
         urls = parse_endpoints(settings.deadpool_etcd_endpoints or "")
         ports |= {urlsplit(u).port or 2379 for u in urls}
     return ports
+
 
 
 class ControlClient:
@@ -127,6 +131,25 @@ class ControlClient:
     def claim_fault(self, fault: str) -> bool:
         """True for the first process of the job to fire `fault`, False for any later one."""
         return self.ctx.create(keys.fault_fired(self.fault_scope, fault), Claim(str(os.getpid())))
+
+    def strike_together(
+        self, point: str, rank: int, others: tuple[int, ...], timeout_s: float,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+    ) -> tuple[int, ...]:  # fmt: skip
+        """Mark `rank` at fault point `point`, then wait until `others` are there too, at most
+        `timeout_s`; returns those that never came (the caller strikes anyway)."""
+        self.ctx.create(keys.fault_arrived(self.fault_scope, point, rank), Claim(str(os.getpid())))
+
+        def missing() -> tuple[int, ...]:
+            key = partial(keys.fault_arrived, self.fault_scope, point)
+            return tuple(r for r in others if self.ctx.get(key(r), Claim) is None)
+
+        try:
+            wait_until(lambda: () if not missing() else None, timeout_s, f"ranks {list(others)} "
+                       f"at fault point {point}", clock=clock, sleep=sleep)  # fmt: skip
+        except StoreTimeout:
+            return missing()
+        return ()
 
     def job_finished(self) -> bool:
         return self.ctx.get(keys.job_finished(self.ctx.job), Flag) is not None

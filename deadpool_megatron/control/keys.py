@@ -153,6 +153,11 @@ def fault_fired(job: str, fault: str) -> str:
     return f"{_job(job)}/fault/{fault}"
 
 
+def fault_arrived(job: str, point: str, rank: int) -> str:
+    """`rank` has reached `point` (ITER:PHASE), where it and other ranks are to fail together."""
+    return f"{_job(job)}/fault_point/{point}/{rank}"
+
+
 def launch(job: str) -> str:
     """Which launch owns `job`'s keys (`JobLaunch`, created by its first agent): a store that
     outlives launches (etcd) may still hold another launch's under the same job id."""

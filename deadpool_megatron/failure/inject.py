@@ -30,6 +30,7 @@ PHASES = (
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"
+TOGETHER_ACTIONS = ("kill", "hang")  # of several ranks at one point: they strike together
 BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in their order
 # `evaluate`: as Megatron-LM's evaluation after ITER begins (ITER a multiple of its
 # --eval-interval), once ITER is protected; our pretrain_gpt.py does not evaluate.
@@ -53,7 +54,8 @@ GRAMMAR = (
     "ACTION@RANK:0:setup strikes during the set-up, before iteration 1; "
     "kill@RANK:0:launch (or hang@) strikes a rank before it registers with the job; "
     "ACTION@RANK:0:groups strikes as its process groups are created; "
-    "RANK, INDEX >= 0, ITER >= 1; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
+    "RANK, INDEX >= 0, ITER >= 1; kills (or hangs) of several ranks at one ITER and PHASE "
+    "strike together, as a node's loss; e.g. kill@5:20,raise@0:30:backward,kill-spare@0:40"
 )
 
 _SPEC = re.compile(r"^(?P<action>[a-z-]+)@(?P<target>\d+):(?P<iteration>\d+)(?::(?P<phase>\w+))?$")
@@ -161,6 +163,20 @@ def faults_at(faults: Iterable[Fault], iteration: int, phase: str, rank: int) ->
         for f in faults
         if not f.on_spare and f.target == rank and f.iteration == iteration and f.phase == phase
     )
+
+
+def companions(faults: Iterable[Fault], fault: Fault) -> tuple[int, ...]:
+    """The other ranks to be killed or hung at `fault`'s iteration and phase: they fail
+    together with it (each waits for the others to be there), as the processes of a node do.
+    Without that, the first to die would start a recovery that stops the others before they
+    got there, and they would fail only in the replay."""
+    if fault.action not in TOGETHER_ACTIONS:
+        return ()
+    return tuple(sorted({
+        f.target for f in faults
+        if f.action in TOGETHER_ACTIONS and not f.on_spare and f.target != fault.target
+        and (f.iteration, f.phase) == (fault.iteration, fault.phase)
+    }))  # fmt: skip
 
 
 def spare_kills_at(faults: Iterable[Fault], iteration: int) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import DeadpoolError
-from .inject import Fault, faults_at
+from .inject import Fault, companions, faults_at
 
 log = logging.getLogger("deadpool.inject")
 
@@ -59,9 +59,14 @@ class FaultInjector:
         report: Callable[[Fault, float], None],
         claim: Callable[[Fault], bool] | None = None,
         slow_s: float = 6.0,
+        together: Callable[[Fault, tuple[int, ...]], tuple[int, ...]] | None = None,
     ):
         self.slow_s = slow_s  # how long a slow@ phase lasts
         self.faults = tuple(f for f in faults if not f.on_spare and f.target == rank)
+        self._all = tuple(faults)
+        # Waits until the other ranks of a fault that strikes several at once are there too,
+        # and returns those that never came; None: each strikes when it gets there.
+        self._together = together
         self.rank = rank
         self._report = report
         # Once per job, not per process: the spare that takes this rank over replays the
@@ -90,6 +95,12 @@ class FaultInjector:
             self._fired.add(fault)
             if self._claim is not None and not self._claim(fault):
                 continue
+            others = companions(self._all, fault)
+            if others and self._together is not None:
+                missing = self._together(fault, others)
+                if missing:
+                    log.warning("%s: rank(s) %s never reached iteration %d's %s phase: striking "
+                                "alone", fault, list(missing), iteration, phase)  # fmt: skip
             at = time.time()
             self._report(fault, at)
             log.warning("injecting %s", fault)

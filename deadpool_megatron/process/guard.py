@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 import torch
 
@@ -18,13 +19,15 @@ from ..control.messages import COLLECTIVE_ERROR, CUDA_ERROR, HEALTH_CHECK, INJEC
 from ..events import FAULT_INJECTED, EventLog
 from ..failure.evidence import cuda_error_recoverable
 from ..failure.health import HealthCheck, HealthChecker
-from ..failure.inject import parse_faults
+from ..failure.inject import Fault, parse_faults
 from ..failure.injector import FaultInjector, InjectedFault
 from ..failure.progress import ProgressBoard
 from ..recovery.stages import RecoveryOrdered
 from ..runtime import ProcessEnv
 
 log = logging.getLogger("deadpool.worker")
+# How long ranks failing together at one point wait for each other (inject.companions).
+TOGETHER_TIMEOUT_S = 20.0
 
 
 class Guard:
@@ -42,7 +45,8 @@ class Guard:
         self.client = client
         self.progress = progress
         self.events = EventLog(cfg.deadpool.deadpool_event_log, env.rank, lambda: ctx.generation)
-        self.injector = _injector(cfg, env, self._injected, client.claim_fault)
+        self.injector = _injector(cfg, env, self._injected, client.claim_fault,
+                                  together=partial(_strike_together, client, env.rank))  # fmt: skip
         self.health: HealthChecker | None = None  # started after warm-up, with the heartbeats
         self._report_lock = threading.Lock()
         self._reported_in: int | None = None  # the generation this process last reported in
@@ -141,9 +145,18 @@ def restart_faults(cfg: JobConfig, env: ProcessEnv, events: EventLog) -> FaultIn
     )  # fmt: skip
 
 
-def _injector(cfg: JobConfig, env: ProcessEnv, report, claim) -> FaultInjector:
+def _injector(cfg: JobConfig, env: ProcessEnv, report, claim, together=None) -> FaultInjector:
     """This rank's faults from --deadpool-inject; a slow@ phase lasts three heartbeat timeouts."""
     return FaultInjector(
         parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank, report, claim,
-        slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout,
+        slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout, together=together,
     )  # fmt: skip
+
+
+def _strike_together(
+    client: ControlClient, rank: int, fault: Fault, others: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Ranks failing at one point wait for each other through the store (bounded: a rank
+    that never gets there, say one waiting on this one's pipeline stage, is not waited for)."""
+    return client.strike_together(f"{fault.iteration}:{fault.phase}", rank, others,
+                                  timeout_s=TOGETHER_TIMEOUT_S)  # fmt: skip

@@ -63,3 +63,31 @@ def test_a_cuda_error_is_reported_as_one_with_where_its_rank_was(kv):
     r = _report(kv, 0)
     assert r.kind == CUDA_ERROR and (r.iteration, r.phase) == (7, "backward")
     assert r.message == "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def test_ranks_failing_at_one_point_wait_for_each_other_through_the_store(kv):
+    """Rank 1 gets to the point first and waits; rank 2 arrives and neither waits further."""
+    first = ControlClient(JobContext(kv, JOB), "local")
+    second = ControlClient(JobContext(kv, JOB), "local")
+    missing = []
+    waiter = threading.Thread(
+        target=lambda: missing.append(first.strike_together("5:optimizer", 1, (2,), 30.0))
+    )
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # rank 2 is not there yet
+    assert second.strike_together("5:optimizer", 2, (1,), 30.0) == ()
+    waiter.join(10)
+    assert missing == [()]
+
+
+def test_a_rank_that_never_comes_to_the_point_is_not_waited_for_beyond_the_bound(kv):
+    now = [0.0]
+    client = ControlClient(JobContext(kv, JOB), "local")
+
+    def sleep(s):
+        now[0] += s
+
+    assert client.strike_together("7:forward", 0, (1, 3), 20.0, clock=lambda: now[0],
+                                  sleep=sleep) == (1, 3)  # fmt: skip
+    assert 20.0 <= now[0] < 21.0

@@ -191,3 +191,33 @@ def test_a_bug_is_raised_every_time_its_place_is_reached_and_not_as_an_injected_
     assert reported == ["bug@1:5:forward"] * 3 and claims == []  # never claimed once per job
     assert not issubclass(InjectedBug, InjectedFault)  # reported as the training's own
     injector.fire(5, "backward")
+
+
+def test_kills_and_hangs_of_several_ranks_at_one_point_strike_together():
+    from deadpool_megatron.failure.inject import companions
+
+    faults = parse_faults("kill@1:5:optimizer,kill@2:5:optimizer,hang@3:5:optimizer,kill@0:5,"
+                          "raise@4:5:optimizer,kill@4:6:optimizer,kill-spare@1:5")  # fmt: skip
+    assert companions(faults, Fault("kill", 1, 5, "optimizer")) == (2, 3)
+    assert companions(faults, Fault("hang", 3, 5, "optimizer")) == (1, 2)
+    assert companions(faults, Fault("kill", 0, 5, "forward")) == ()  # alone at its point
+    assert companions(faults, Fault("raise", 4, 5, "optimizer")) == ()  # stays alive
+
+
+def test_a_kill_with_companions_waits_for_them_before_it_strikes(monkeypatch):
+    from deadpool_megatron.failure import injector as injector_module
+
+    order = []
+    monkeypatch.setattr(injector_module.os, "kill", lambda pid, sig: order.append(("kill", sig)))
+
+    def together(fault, others):
+        order.append(("together", str(fault), others))
+        return (2,)  # rank 2 never came: strike alone, and say so
+
+    injector = injector_module.FaultInjector(
+        parse_faults("kill@1:5:optimizer,kill@2:5:optimizer"), 1,
+        lambda f, at: order.append(("report", str(f))), together=together,
+    )  # fmt: skip
+    injector.fire(5, "optimizer")
+    assert order == [("together", "kill@1:5:optimizer", (2,)), ("report", "kill@1:5:optimizer"),
+                     ("kill", injector_module.signal.SIGKILL)]  # fmt: skip
