@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(60)
 
 JOB = "slurm-42"
 ARGS = {"generation": 3, "rank": 5, "node": 1, "count": 2, "spare_id": "spare-0",
-        "fault": "kill@1:4", "launch": "host:29500"}  # fmt: skip
+        "fault": "kill@1:4", "launch": "host:29500", "point": "4:forward"}  # fmt: skip
 
 
 def _job_keys() -> dict[str, str]:
