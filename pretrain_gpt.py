@@ -7,11 +7,8 @@ for one process). `--help` lists every flag; `--config configs/demo.yaml` loads 
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-
 from deadpool_megatron.megatron.arguments import parse_job_args
+from deadpool_megatron.runtime import end_process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,10 +23,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
     # Everything is written and every process group destroyed; the interpreter's own teardown
     # of torch and megatron-core takes seconds per process and has nothing left to flush.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    end_process(main())

@@ -180,10 +180,12 @@ class DeadpoolConfig:
         "MASTER_ADDR, which a recovery's stop ends at once; between two ranks on one host the "
         "receiver reads a replica's parts from the sender's memory itself with one copy, "
         "process_vm_readv, where the kernel allows it), tcp-stream (the same connections, "
-        "every byte through them) or gloo (a gloo group per ring edge; gloo can leave the "
+        "every byte through them), gloo (a gloo group per ring edge; gloo can leave the "
         "replication thread waiting until --distributed-timeout-minutes after a transfer cut "
-        "mid-message).",
-        choices=("gloo", "tcp", "tcp-stream"),
+        "mid-message) or mpi (an MPI intercommunicator per ring edge, Open MPI 5 with ULFM: "
+        "the launcher runs under `mpirun --with-ft ulfm` and starts every worker and spare "
+        "through MPI_Comm_spawn; README: the MPI transport).",
+        choices=("gloo", "tcp", "tcp-stream", "mpi"),
     )
     deadpool_heartbeat_interval: float = knob(
         0.5, "Seconds between heartbeats (they start after the first iteration)."

@@ -69,6 +69,7 @@ def wrap_pretrain(pretrain: Callable) -> Callable:
     @functools.wraps(pretrain)
     def protected(*args, **kwargs):
         from .process.upstream import main
+        from .runtime import end_process
 
         kwargs["extra_args_provider"] = extra_args_provider(kwargs.get("extra_args_provider"))
         if "-h" in sys.argv or "--help" in sys.argv:  # Megatron-LM's help, DeadPool's flags in it
@@ -77,12 +78,7 @@ def wrap_pretrain(pretrain: Callable) -> Callable:
         # pretrain() is the last call of Megatron-LM's scripts. Everything is written and every
         # group destroyed; the interpreter's teardown of torch and megatron takes seconds per
         # process, during which the agent would see a process that stopped beating.
-        import logging
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        end_process(code)
 
     return protected
 

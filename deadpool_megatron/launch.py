@@ -19,6 +19,7 @@ import stat
 import sys
 
 from .agent.agent import RESTART, Agent
+from .agent.mpi_spawn import mpi_unusable
 from .agent.settings import LaunchSettings, preflight
 from .agent.zygote import ENV_FORK_ZYGOTE
 from .control.signed import ENV_JOB_SECRET, job_secret, new_secret
@@ -55,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Spare nodes beyond --nnodes (default: 0): their agents start "
                         "--nproc-per-node spare processes each, and a lost worker node's ranks "
                         "move onto one of them together. Needs --deadpool.")  # fmt: skip
-    parser.add_argument("--node-rank", type=int, default=0,
-                        help="This node's index (default: 0): 0 to NNODES-1 are worker nodes, "
-                        "NNODES to NNODES+M-1 spare nodes.")  # fmt: skip
+    parser.add_argument("--node-rank", type=int, default=_mpirun_rank(),
+                        help="This node's index (default: this launcher's rank under mpirun, "
+                        "else 0): 0 to NNODES-1 are worker nodes, NNODES to NNODES+M-1 spare "
+                        "nodes.")  # fmt: skip
     parser.add_argument("--master-addr", default="127.0.0.1",
                         help="Address of node 0, whose agent hosts the TCPStore (default: "
                         "127.0.0.1).")  # fmt: skip
@@ -87,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "from this node's fork server, which imports them once. The agent "
                         "falls back to this by itself where forking is unsafe (the imports "
                         "started threads or CUDA).")  # fmt: skip
+    parser.add_argument("--mpi-spawn", action="store_true",
+                        help="Start every worker and spare through MPI_Comm_spawn, each an MPI "
+                        "job of its own (this launcher under mpirun --with-ft ulfm), so that "
+                        "they can reach each other over MPI; implied by the script's "
+                        "--deadpool-transport mpi.")  # fmt: skip
     parser.add_argument("--fork-zygote", default=os.environ.get(ENV_FORK_ZYGOTE, ""),
                         metavar="PATH",
                         help="Fork this node's fork server from the zygote listening at PATH "
@@ -99,6 +106,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Its arguments.")
     return parser
+
+
+def _mpirun_rank() -> int:
+    """This launcher's rank where mpirun started one per node, else 0."""
+    rank = os.environ.get("OMPI_COMM_WORLD_RANK", "")
+    return int(rank) if rank.isdigit() else 0
 
 
 def validate_launch_args(a: argparse.Namespace) -> None:
@@ -122,6 +135,8 @@ def validate_launch_args(a: argparse.Namespace) -> None:
             f"--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes} = {nodes} nodes, but the "
             f"Slurm allocation has {allocated}; ask for fewer or allocate more (sbatch --nodes)"
         )
+    if a.mpi_spawn and (reason := mpi_unusable()) is not None:
+        raise ConfigError(reason)
     if (
         a.fork_zygote
         and os.path.exists(a.fork_zygote)
@@ -151,7 +166,10 @@ def validate_launch_args(a: argparse.Namespace) -> None:
 
 
 def validate_nodes(a: argparse.Namespace, settings: LaunchSettings) -> None:
-    """What only the script's flags tell: spare capacity the job could never use."""
+    """What only the script's flags tell: spare capacity the job could never use, MPI's spawn
+    for --deadpool-transport mpi."""
+    if a.mpi_spawn and (reason := mpi_unusable()) is not None:
+        raise ConfigError(reason)
     if a.spare_nodes and not settings.protection.deadpool:
         raise ConfigError(
             f"--spare-nodes {a.spare_nodes} without --deadpool: an unprotected job cannot "
@@ -180,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         rc, settings = preflight(args.script, args.script_args, world_size, args.spares)
         if rc != 0:
             return rc
+        args.mpi_spawn = args.mpi_spawn or settings.protection.deadpool_transport == "mpi"
         try:
             validate_nodes(args, settings)
         except ConfigError as err:

@@ -6,6 +6,7 @@ one exists), so a training script reads one `ProcessEnv` instead of scattered `o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -30,6 +31,9 @@ ENV_PROGRESS_FILE = "DEADPOOL_PROGRESS_FILE"
 # "1": every megatron-core role gets a gloo group of its own, as megatron-core makes them
 # (parallel.one_group_per_rank_list off), for a megatron-core that tells groups apart by identity.
 ENV_GROUP_PER_ROLE = "DEADPOOL_GROUP_PER_ROLE"
+# Where a process started through MPI_Comm_spawn writes its exit status as it ends: Open MPI's
+# daemon, not the agent, is its parent and reaps it (agent/mpi_spawn.py).
+ENV_EXIT_STATUS_FILE = "DEADPOOL_EXIT_STATUS_FILE"
 
 
 @dataclass(frozen=True)
@@ -151,3 +155,44 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def end_process(code: int) -> None:
+    """Exit now with `code`, without the interpreter's teardown (seconds of torch and
+    megatron-core, nothing left to flush): logs and streams flushed, and the status written
+    where the launcher asked for it (ENV_EXIT_STATUS_FILE)."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    record_exit_status(code)
+    finalize_mpi(code)
+    os._exit(code)
+
+
+def finalize_mpi(code: int, timeout_s: float = 5.0) -> None:
+    """MPI_Finalize, where this process initialised MPI (a child spawned for `--deadpool-transport
+    mpi`): Open MPI's launcher reports a process that exits without it as an abnormal end.
+    On the calling thread, MPI's rule; a finalize still waiting after `timeout_s` (on a dead
+    peer, say) does not hold the exit up: a timer exits with `code` then."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    import threading
+
+    threading.Timer(timeout_s, os._exit, args=(code,)).start()
+    MPI.Finalize()
+
+
+def record_exit_status(code: int) -> None:
+    """Write `code` where ENV_EXIT_STATUS_FILE names (nothing when it is unset)."""
+    path = os.environ.get(ENV_EXIT_STATUS_FILE)
+    if path:
+        try:
+            with open(path + ".tmp", "w") as fh:
+                fh.write(str(code))
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass

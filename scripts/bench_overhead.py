@@ -21,6 +21,7 @@ difference of the whole process's CPU time, a noisier figure).
     python scripts/bench_overhead.py                     # 2 CPU ranks (DP2), 41 MB shards
     python scripts/bench_overhead.py --transports gloo   # one transport, 8 windows
     python scripts/bench_overhead.py --transports tcp-stream,tcp   # streamed against read
+    python scripts/bench_overhead.py --transports tcp,mpi  # MPI (scripts/setup_mpi.sh, VENV=.venv)
     python scripts/bench_overhead.py --nproc 8 --tp 2 --pp 2
 """
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -84,7 +84,7 @@ def _transports(value: str) -> list[str]:
     return names
 
 
-TRANSPORTS = ("gloo", "tcp", "tcp-stream")  # --deadpool-transport's choices
+TRANSPORTS = ("gloo", "tcp", "tcp-stream", "mpi")  # --deadpool-transport's choices
 
 
 def protected_by(iteration: int, warmup: int, window: int, transports: list[str]) -> str | None:
@@ -294,14 +294,20 @@ def plot(summary: dict, path: Path) -> None:
     its = [int(i) for i in summary["per_iteration_ms"]]
     ms = list(summary["per_iteration_ms"].values())
     on = [summary["per_iteration_on"][str(i)] for i in its]
-    colors = {None: "tab:blue", "gloo": "tab:red", "tcp": "tab:orange", "tcp-stream": "tab:green"}
+    colors = {
+        None: "tab:blue",
+        "gloo": "tab:red",
+        "tcp": "tab:orange",
+        "tcp-stream": "tab:green",
+        "mpi": "tab:purple",
+    }
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.bar(its, ms, color=[colors[o] for o in on])
     ax.axhline(summary["median_iter_ms_off"], color="tab:blue", ls="--", label="median off")
     for t, fig_t in summary["by_transport"].items():
         ax.axhline(fig_t["median_iter_ms_on"], color=colors[t], ls="--",
                    label=f"median on, {t} (ratio {fig_t['ratio']:.3f})")  # fmt: skip
-    names = {"gloo": "red", "tcp": "orange", "tcp-stream": "green"}
+    names = {"gloo": "red", "tcp": "orange", "tcp-stream": "green", "mpi": "purple"}
     shown = "; ".join(f"{names[t]}: on, {t}" for t in summary["by_transport"])
     ax.set_xlabel(f"iteration (blue: protection off; {shown})")
     ax.set_ylabel("iteration time (ms)")
@@ -315,22 +321,41 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def mpirun_prefix() -> list[str]:
+    """`mpirun --with-ft ulfm -n 1` of the Open MPI beside this interpreter; [] without one."""
+    mpirun = Path(sys.executable).parent / "mpirun"
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return []
+    if not mpirun.exists():
+        return []
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [str(mpirun), *root, "--oversubscribe", "--with-ft", "ulfm", "-n", "1"]
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.worker_result:
-        code = run_worker(a, job_flags(a))
+        from deadpool_megatron.runtime import end_process
+
         # As pretrain_gpt.py ends: everything is written and every group destroyed. The
         # interpreter's own teardown of torch once ended a worker here with "terminate called
         # without an active exception" (SIGABRT) after its results were out.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        end_process(run_worker(a, job_flags(a)))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     worker_result = out.with_suffix(".ranks.json")
+    prefix = []
+    if "mpi" in a.transports:  # the launcher under mpirun spawns the workers (README)
+        prefix = mpirun_prefix()
+        if not prefix:
+            print("bench_overhead: --transports mpi needs Open MPI 5 and mpi4py beside this "
+                  "interpreter: VENV=.venv bash scripts/setup_mpi.sh", file=sys.stderr)  # fmt: skip
+            return 2
     cmd = [
-        sys.executable, "-m", "deadpool_megatron.launch", "--no-preflight",
+        *prefix, sys.executable, "-m", "deadpool_megatron.launch", "--no-preflight",
+        *(["--mpi-spawn"] if prefix else []),
         "--nproc-per-node", str(a.nproc), __file__, *(sys.argv[1:] if argv is None else argv),
         "--worker-result", str(worker_result),
     ]  # fmt: skip

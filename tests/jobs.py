@@ -79,15 +79,17 @@ def run_job(
     script: Path = ROOT / "pretrain_gpt.py",
     env: dict[str, str] | None = None,
     torchrun_restarts: int | None = None,
+    prefix: list[str] | None = None,
 ) -> JobResult:
     """Run a job to completion (bounded by JOB_TIMEOUT_S) and parse its metrics file; `env`:
     variables set for the launcher on top of this process's; `torchrun_restarts`: launched
-    by torchrun with that many restarts instead of deadpool-launch."""
+    by torchrun with that many restarts instead of deadpool-launch; `prefix`: what starts the
+    launcher (mpirun ...)."""
     metrics = tmp_path / f"{name}.jsonl"
     argv = [*args, "--metrics-jsonl", str(metrics)]
     proc = subprocess.Popen(
-        launch_cmd(nproc, argv, spares, launcher, script) if torchrun_restarts is None
-        else torchrun_cmd(nproc, argv, torchrun_restarts),
+        [*(prefix or []), *launch_cmd(nproc, argv, spares, launcher, script)]
+        if torchrun_restarts is None else torchrun_cmd(nproc, argv, torchrun_restarts),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, **(env or {})},
     )  # fmt: skip

@@ -84,7 +84,8 @@ class Agent:
         self.children = Children(
             Launch(args.script, tuple(args.script_args), args.master_addr, self.world_size,
                    args.nproc_per_node, args.node_rank, fork_server=not args.no_fork_server,
-                   fork_zygote=args.fork_zygote)
+                   fork_zygote=args.fork_zygote,
+                   mpi_spawn=args.mpi_spawn)
         )  # fmt: skip
         self.port = args.master_port
         self.store = None

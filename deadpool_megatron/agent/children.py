@@ -30,6 +30,7 @@ from ..runtime import (
 )
 from .forks import ForkedProcess, ForkServer, ForkServerUnavailable
 from .forkserver import DEFAULT_PRELOAD, server_env, worker_defaults
+from .mpi_spawn import MpiSpawner, SpawnedProcess
 
 log = logging.getLogger("deadpool.launch")
 
@@ -48,7 +49,7 @@ def exit_seen(proc) -> int | None:
 class Child:
     role: str
     index: int  # global rank for a worker, spare index for a spare
-    proc: subprocess.Popen | ForkedProcess
+    proc: subprocess.Popen | ForkedProcess | SpawnedProcess
     board: ProgressBoard  # its progress marks, read from shared memory
     pump: threading.Thread | None = None
     reported: bool = field(default=False)  # its exit was reported (spares)
@@ -86,6 +87,7 @@ class Launch:
     fork_server: bool = True  # fork children from a preloaded interpreter (forkserver.py)
     fork_preload: tuple[str, ...] = DEFAULT_PRELOAD  # what the fork server imports once
     fork_zygote: str = ""  # the socket of a zygote to fork the fork server from (zygote.py)
+    mpi_spawn: bool = False  # start children through MPI_Comm_spawn (mpi_spawn.py), no forks
 
 
 class Children:
@@ -98,7 +100,8 @@ class Children:
         self.board_dir = tempfile.mkdtemp(prefix="deadpool-progress-", dir=shm)
         self._spawned = 0
         self._forks: ForkServer | None = None
-        self._use_forks = launch.fork_server  # until the server proves unusable
+        self._use_forks = launch.fork_server and not launch.mpi_spawn  # until it proves unusable
+        self._mpi = MpiSpawner() if launch.mpi_spawn else None
 
     def _fork_server(self) -> ForkServer | None:
         """The fork server, started with the first child or by `prepare` (bad input started
@@ -160,7 +163,11 @@ class Children:
         self.all.append(child)
         return child
 
-    def _start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedProcess:
+    def _start(
+        self, argv: list[str], env: dict[str, str]
+    ) -> subprocess.Popen | ForkedProcess | SpawnedProcess:
+        if self._mpi is not None:
+            return self._mpi.spawn(argv, env)
         forks = self._fork_server()
         if forks is not None:
             try:
@@ -214,6 +221,9 @@ class Children:
         if self._forks is not None:
             self._forks.close()
             self._forks = None
+        if self._mpi is not None:
+            self._mpi.close()
+            self._mpi = None
         shutil.rmtree(self.board_dir, ignore_errors=True)
 
 

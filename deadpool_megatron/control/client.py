@@ -8,9 +8,10 @@ from `messages.py`; every generation it names is read from the process's `JobCon
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from urllib.parse import urlsplit
 
@@ -52,8 +53,24 @@ def control_ports(env: ProcessEnv, settings: DeadpoolConfig) -> set[int]:
     if settings.deadpool_store == "etcd":
         urls = parse_endpoints(settings.deadpool_etcd_endpoints or "")
         ports |= {urlsplit(u).port or 2379 for u in urls}
-    return ports
+    return ports | mpi_ports(os.environ)
 
+
+def mpi_ports(environ: Mapping[str, str]) -> set[int]:
+    """The ports of a process started by Open MPI that MPI itself needs: its PMIx server's
+    (Open MPI's daemon on the node; cut, MPI can neither connect nor spawn) and the range its
+    TCP transport listens on (mpi_child.py gives it one of its own; a cut connection there
+    makes the peer report this process dead, and ULFM aborts it)."""
+    ports = set()
+    for name, value in environ.items():
+        if name.startswith("PMIX_SERVER_URI"):
+            ports |= {int(port) for port in re.findall(r"tcp[46]?://.*?:(\d+)(?:;|$)", value)}
+    for family in ("v4", "v6"):
+        low = environ.get(f"OMPI_MCA_btl_tcp_port_min_{family}", "")
+        span = environ.get(f"OMPI_MCA_btl_tcp_port_range_{family}", "")
+        if low.isdigit() and span.isdigit():
+            ports |= set(range(int(low), int(low) + int(span)))
+    return ports
 
 
 class ControlClient:

@@ -19,7 +19,7 @@ from ..checkpoint.pipeline import ProtectionPipeline
 from ..checkpoint.transport import GlooTransport, Transport
 from ..config import JobConfig
 from ..megatron import gloo_ops, parallel
-from ..megatron.exchange import all_gather_ints
+from ..megatron.exchange import all_gather_bytes, all_gather_ints
 from ..megatron.fence import step_fence_installer
 from ..megatron.model import TrainState
 from ..megatron.shard import RankState
@@ -53,6 +53,8 @@ def build_pipeline(
         transport = tcp_ring(topo, k, ring, env.master_addr, generation,
                              cfg.system.distributed_timeout_minutes * 60, ifname,
                              pull=cfg.deadpool.deadpool_transport == "tcp")  # fmt: skip
+    elif cfg.deadpool.deadpool_transport == "mpi":
+        transport = mpi_ring(topo, k, ring, generation)
     else:
         transport = GlooTransport(parallel.ring_pairs(topo, k), gloo_ops.OpenWork)
     coords = topo.coords(rank)
@@ -133,6 +135,37 @@ def tcp_ring(
     return tcp_transport.TcpTransport(
         send_to, recv_from, timeout_s, pulled_by=pulled_by, pull_from=pull_from
     )
+
+
+def mpi_ring(topo: Topology, k: int, ring: dist.ProcessGroup, generation: int) -> Transport:
+    """MPI intercommunicators to this rank's ring successors and from its predecessors: each
+    member opens an MPI port per ring distance, the ring's members exchange the port names (a
+    collective of the training thread), then connect in `connect_plan`'s order
+    (checkpoint/mpi_transport.py)."""
+    from ..checkpoint import mpi_transport as mt
+
+    if not mt.spawned():
+        raise RuntimeError("--deadpool-transport mpi: this process was not started through "
+                           "MPI_Comm_spawn; start the job with deadpool-launch under mpirun "
+                           "(README: the MPI transport)")  # fmt: skip
+    rank = dist.get_rank()
+    members = topo.ring(rank)
+    steps = mt.connect_plan(members, rank, k)
+    distances = sorted({h for _, _, h in steps})
+    MPI = mt.mpi()
+    own = {h: MPI.Open_port() for h in distances}
+    try:
+        mine = b"".join(mt.encode_port(own[h]) for h in distances)
+        names = all_gather_bytes(mine, ring)
+        ports = {
+            r: {h: mt.decode_port(raw[n * mt.PORT_BYTES:(n + 1) * mt.PORT_BYTES])
+                for n, h in enumerate(distances)}
+            for r, raw in zip(dist.get_process_group_ranks(ring), names, strict=True)
+        }  # fmt: skip
+        return mt.connect_ring(rank, generation, steps, ports, own)
+    finally:
+        for port in own.values():
+            MPI.Close_port(port)
 
 
 def _encode(sockname: tuple) -> list[int]:

@@ -26,6 +26,7 @@ from ..failure.evidence import EXIT_BLOCKED
 from ..failure.hang import HangPolicy, StallWatch
 from ..failure.procstate import working_cpu_seconds
 from ..failure.progress import ProgressBoard
+from ..runtime import record_exit_status
 
 log = logging.getLogger("deadpool.recovery")
 
@@ -42,6 +43,7 @@ def leave_process(why: str) -> None:
     )  # fmt: skip
     for handler in logging.getLogger().handlers:
         handler.flush()
+    record_exit_status(EXIT_BLOCKED)  # not MPI's finalize: only the main thread may call it
     os._exit(EXIT_BLOCKED)
 
 
