@@ -55,6 +55,13 @@ def mpi_unusable(environ: dict[str, str] | None = None) -> str | None:
     return None
 
 
+def this_node(processor_name: str, environ: dict[str, str] | None = None) -> str:
+    """This node as Open MPI's runtime names it: under Slurm the allocation's node name (which
+    need not be the host's name), else the host's."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURMD_NODENAME") or processor_name
+
+
 class SpawnedProcess:
     """A spawned child, seen from the agent (as forks.ForkedProcess or subprocess.Popen)."""
 
@@ -135,7 +142,7 @@ class MpiSpawner:
                 json.dump({"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "agent_pid": os.getpid()},
                           fh)  # fmt: skip
             info = MPI.Info.Create()
-            info.Set("host", MPI.Get_processor_name())
+            info.Set("host", this_node(MPI.Get_processor_name()))
             info.Set("wdir", cwd or os.getcwd())
             try:
                 intercomm = MPI.COMM_SELF.Spawn(

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from deadpool_megatron.agent.mpi_spawn import SpawnedProcess, mpi_unusable, read_status
+from deadpool_megatron.agent.mpi_spawn import SpawnedProcess, mpi_unusable, read_status, this_node
 from deadpool_megatron.checkpoint.mpi_transport import (
     PORT_BYTES,
     connect_plan,
@@ -104,3 +104,8 @@ def test_a_spawned_child_s_status_comes_from_its_file_or_is_a_kill(tmp_path):
     assert SpawnedProcess(killed.pid, None, str(tmp_path / "none")).wait(30) == -9
     killed.wait()
     assert read_status(str(tmp_path / "none")) == -9
+
+
+def test_children_are_spawned_on_this_node_by_its_name_in_the_allocation():
+    assert this_node("vm", {"SLURMD_NODENAME": "nid001234"}) == "nid001234"
+    assert this_node("vm", {}) == "vm"
