@@ -92,3 +92,21 @@ def test_freeze_survivors_collects_garbage_first_and_leaves_the_living_out():
                           timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False"]
+
+
+def test_a_process_ends_with_its_status_written_where_the_launcher_asked(tmp_path):
+    """end_process: logs flushed, the status in ENV_EXIT_STATUS_FILE (a child spawned by MPI,
+    whose parent is Open MPI's daemon), then the exit itself; nothing written without it."""
+    from deadpool_megatron.runtime import ENV_EXIT_STATUS_FILE
+
+    status = tmp_path / "status"
+    code = ("import logging; from deadpool_megatron.runtime import end_process; "
+            "logging.basicConfig(); logging.getLogger('x').warning('last words'); end_process(7)")  # fmt: skip
+    env = {"PATH": "", "PYTHONPATH": ":".join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**env, ENV_EXIT_STATUS_FILE: str(status)})  # fmt: skip
+    assert done.returncode == 7 and "last words" in done.stderr
+    assert status.read_text() == "7"
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env=env)  # fmt: skip
+    assert plain.returncode == 7 and list(tmp_path.iterdir()) == [status]
