@@ -208,6 +208,13 @@ def validate_deadpool(cfg: JobConfig, dp: int, eval_interval: int | None = None)
         for fault in faults:
             if fault.phase == "evaluate":
                 _check_evaluate_fault(str(fault), fault.iteration, eval_interval)
+            _require(
+                eval_interval is None or fault.phase not in OUR_STEP_PHASES,
+                f"--deadpool-inject {fault}: phase {fault.phase} strikes inside our "
+                "pretrain_gpt.py's training step; Megatron-LM's train_step has no hook there, so "
+                "the fault would never fire: use forward (the iteration's start), snapshot, "
+                "replicate, save, evaluate or finish",
+            )
     _require(
         dpc.deadpool_spare_prebuild >= 0,
         f"--deadpool-spare-prebuild={dpc.deadpool_spare_prebuild} must be 0 (off) or the "
@@ -227,6 +234,10 @@ def validate_deadpool(cfg: JobConfig, dp: int, eval_interval: int | None = None)
         f"coordinates; 0 keeps local snapshots only: transient failures are reset in place, "
         f"a lost process is not recoverable in memory)",
     )
+
+
+# Fault phases only our own training step (megatron/training.py) reaches.
+OUR_STEP_PHASES = ("backward", "optimizer")
 
 
 def _check_evaluate_fault(spec: str, iteration: int, eval_interval: int | None) -> None:

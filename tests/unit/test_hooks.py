@@ -86,6 +86,9 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         (["--micro-batch-size", "2", "--use-distributed-optimizer", "--deadpool"], 4,
          r"--train-iters or --train-samples \(got neither\)"),
         ([*BASE, "--train-samples", "80", "--deadpool"], 4, r"\(got both\)"),
+        ([*BASE, "--deadpool", "--deadpool-inject", "kill@1:5:optimizer"], 4,
+         "kill@1:5:optimizer: phase optimizer strikes inside our pretrain_gpt.py's training "
+         "step; Megatron-LM's train_step has no hook there"),
         (["--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "7",
           "--use-distributed-optimizer", "--deadpool"], 4,
          r"--train-samples 7 is less than one global batch \(8\): use at least 8"),
