@@ -26,7 +26,7 @@ from .control.signed import ENV_JOB_SECRET, job_secret, new_secret
 from .control.store import StoreUnreachable
 from .errors import ConfigError, LaunchError
 from .logging_setup import setup_logging
-from .runtime import ENV_PREFLIGHT
+from .runtime import ENV_PREFLIGHT, finalize_mpi
 
 log = logging.getLogger("deadpool.launch")
 
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deadpool-launch: error: {err}", file=sys.stderr)
         agent.close()  # its progress boards
         return 1 if isinstance(err, LaunchError) else ConfigError.exit_code
+    rc = 1
     try:
         agent.start()
         while True:
@@ -221,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
                 return rc
     finally:
         agent.close()
+        # Under mpirun (--mpi-spawn): a rank that exits without MPI_Finalize makes mpirun end
+        # the other nodes' launchers; one whose peer launcher was lost can wait in it for
+        # ever, so it exits with its status after 10 s.
+        finalize_mpi(rc, timeout_s=10.0)
 
 
 if __name__ == "__main__":

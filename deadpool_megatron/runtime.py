@@ -182,8 +182,11 @@ def finalize_mpi(code: int, timeout_s: float = 5.0) -> None:
         return
     import threading
 
-    threading.Timer(timeout_s, os._exit, args=(code,)).start()
+    timer = threading.Timer(timeout_s, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
     MPI.Finalize()
+    timer.cancel()
 
 
 def record_exit_status(code: int) -> None:

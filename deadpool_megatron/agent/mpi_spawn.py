@@ -109,7 +109,7 @@ def read_status(path: str) -> int:
 
 class MpiSpawner:
     """Spawns children on this agent's node, one MPI job each; MPI is initialised with the
-    first (the agent's imports stay MPI-free otherwise) and finalised by `close`."""
+    first (the agent's imports stay MPI-free otherwise)."""
 
     def __init__(self):
         self._dir = tempfile.mkdtemp(prefix="deadpool-spawn-")
@@ -167,10 +167,9 @@ class MpiSpawner:
             return SpawnedProcess(pid, stdout, status_path)
 
     def close(self) -> None:
-        """Finalise MPI: an mpirun rank that exits without it makes mpirun end the whole job."""
+        """Its socket and files; MPI itself is finalised as the launcher exits
+        (`runtime.finalize_mpi`, bounded: a launcher of a lost node can hold it up)."""
         self._listener.close()
-        if self._mpi is not None and not self._mpi.Is_finalized():
-            self._mpi.Finalize()
         for name in os.listdir(self._dir):
             os.unlink(os.path.join(self._dir, name))
         os.rmdir(self._dir)

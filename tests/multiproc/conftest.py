@@ -9,6 +9,8 @@ DEADPOOL_FORK_ZYGOTE from its jobs' environment."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from megatron_lm_jobs import patched_checkout, run
 from zygotes import running_zygote
 
 from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
-from jobs import run_failure_free
+from jobs import ROOT, run_failure_free
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -50,3 +52,18 @@ def baseline_pp2(tmp_path_factory):
     """Our pretrain_gpt.py as PP2 x DP2 without a failure (hotswap_jobs.SHAPE_PP2), for
     both hot-swap files."""
     return run_failure_free(tmp_path_factory, "base_pp2", 4, SHAPE_PP2)
+
+
+@pytest.fixture(scope="session")
+def mpirun() -> list[str]:
+    """`mpirun` of the Open MPI installed into this interpreter's environment."""
+    venv = Path(sys.executable).parent.parent
+    setup = subprocess.run(["bash", str(ROOT / "scripts" / "setup_mpi.sh")], capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "VENV": str(venv)})  # fmt: skip
+    if setup.returncode != 0:
+        pytest.fail(
+            f"scripts/setup_mpi.sh could not install mpi4py and Open MPI: {setup.stderr[-500:]}"
+        )
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    mpirun = str(Path(sys.executable).parent / "mpirun")
+    return [mpirun, *root, "--oversubscribe", "--with-ft", "ulfm"]  # ULFM: a death ends no job

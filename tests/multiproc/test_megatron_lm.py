@@ -18,6 +18,7 @@ import sys
 import pytest
 from megatron_lm_jobs import DP4, MODEL, launch, run
 
+from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
@@ -163,6 +164,23 @@ def test_upstream_two_failures_are_hot_swapped_in_turn_and_survivors_keep_their_
     assert sorted(kept) == ["spare 0", "worker 0", "worker 0", "worker 2", "worker 3",
                             "worker 3"], kept  # fmt: skip
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_hot_swap_with_replicas_over_mpi_is_bitwise(
+    megatron_lm, failure_free, tmp_path, mpirun
+):
+    # The launcher under mpirun spawns Megatron-LM's pretrain_gpt.py (--deadpool-transport
+    # mpi): rank 1 dies in iteration 5 and the spare takes it over from a replica that came
+    # over MPI; the failure-free run (over tcp) gives the same losses and digest.
+    losses, final = failure_free
+    code, output = launch(megatron_lm, tmp_path, "mpi",
+                          ["--deadpool-transport", "mpi", "--deadpool-inject", "kill@1:5"],
+                          prefix=(*mpirun, "-n", "1"))  # fmt: skip
+    assert "job" in output and "finished: 4 worker(s) on node 0 succeeded" in output, output[-6000:]
+    got, got_final = read_metrics(str(tmp_path / "mpi.jsonl"))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert "replica ring of generation 1 over mpi" in output
 
 
 TP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1"]

@@ -29,22 +29,6 @@ from jobs import ROOT, run_failure_free, run_job
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 
-ULFM = ["--oversubscribe", "--with-ft", "ulfm"]
-
-
-@pytest.fixture(scope="module")
-def mpirun() -> list[str]:
-    """`mpirun` of the Open MPI installed into this interpreter's environment."""
-    venv = Path(sys.executable).parent.parent
-    setup = subprocess.run(["bash", str(ROOT / "scripts" / "setup_mpi.sh")], capture_output=True,
-                           text=True, timeout=600, env={**os.environ, "VENV": str(venv)})  # fmt: skip
-    if setup.returncode != 0:
-        pytest.fail(
-            f"scripts/setup_mpi.sh could not install mpi4py and Open MPI: {setup.stderr[-500:]}"
-        )
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [str(Path(sys.executable).parent / "mpirun"), *root, *ULFM]
-
 
 def test_edges_fail_on_a_dead_peer_and_end_at_an_abort(mpirun, tmp_path):
     driver = ROOT / "tests" / "drivers" / "mpi_edges_driver.py"
