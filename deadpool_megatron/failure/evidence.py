@@ -84,10 +84,12 @@ Evidence = (
 )
 
 # gloo (transport/tcp/pair.cc) when a peer's socket closes or resets, and NCCL's errors and
-# its watchdog timeouts; a timeout is how survivors of a hung peer fail (FIELD-NOTES).
+# its watchdog timeouts; a timeout is how survivors of a hung peer fail (FIELD-NOTES). Over
+# MPI (--deadpool-transport mpi), ULFM's: a peer's process failed, or a peer revoked the edge.
 _PEER_LOSS = re.compile(
     r"Connection closed by peer|Connection reset by peer|Read error|NCCL error"
-    r"|Timed out waiting|Watchdog caught collective operation timeout",
+    r"|Timed out waiting|Watchdog caught collective operation timeout"
+    r"|MPI_ERR_PROC_FAILED|MPI_ERR_REVOKED",
     re.IGNORECASE,
 )
 

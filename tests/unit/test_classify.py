@@ -259,6 +259,16 @@ def test_history_is_immutable_and_prunes():
         (TIMEOUT, True),
         (NCCL_WD, True),
         ("NCCL error in: ProcessGroupNCCL.cpp:1275, unhandled system error", True),
+        (
+            "replica receive with rank 2 failed: MPI_ERR_PROC_FAILED (MPI_ERR_PROC_FAILED: "
+            "Process Failure)",
+            True,
+        ),
+        (
+            "replica send with rank 3 failed: MPI_ERR_REVOKED (MPI_ERR_REVOKED: Communication "
+            "Object Revoked)",
+            True,
+        ),
         (LOCAL, False),
         ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
     ],
