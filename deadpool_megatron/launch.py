@@ -165,10 +165,11 @@ def validate_launch_args(a: argparse.Namespace) -> None:
         )
 
 
-def validate_nodes(a: argparse.Namespace, settings: LaunchSettings) -> None:
-    """What only the script's flags tell: spare capacity the job could never use, MPI's spawn
-    for --deadpool-transport mpi."""
-    if a.mpi_spawn and (reason := mpi_unusable()) is not None:
+def validate_nodes(a: argparse.Namespace, settings: LaunchSettings, check_mpi: bool) -> None:
+    """What only the script's flags tell: spare capacity the job could never use, and MPI's
+    spawn where --deadpool-transport mpi implies it (`check_mpi`; an explicit --mpi-spawn was
+    checked with the launcher's own flags)."""
+    if check_mpi and (reason := mpi_unusable()) is not None:
         raise ConfigError(reason)
     if a.spare_nodes and not settings.protection.deadpool:
         raise ConfigError(
@@ -198,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         rc, settings = preflight(args.script, args.script_args, world_size, args.spares)
         if rc != 0:
             return rc
-        args.mpi_spawn = args.mpi_spawn or settings.protection.deadpool_transport == "mpi"
+        implied = not args.mpi_spawn and settings.protection.deadpool_transport == "mpi"
+        args.mpi_spawn = args.mpi_spawn or implied
         try:
-            validate_nodes(args, settings)
+            validate_nodes(args, settings, check_mpi=implied)
         except ConfigError as err:
             print(f"deadpool-launch: error: {err}", file=sys.stderr)
             return ConfigError.exit_code

@@ -172,21 +172,22 @@ def end_process(code: int) -> None:
     os._exit(code)
 
 
-def finalize_mpi(code: int, timeout_s: float = 5.0) -> None:
+def finalize_mpi(code: int, timeout_s: float = 5.0, *, mpi=None, timer=None) -> None:
     """MPI_Finalize, where this process initialised MPI (a child spawned for `--deadpool-transport
     mpi`): Open MPI's launcher reports a process that exits without it as an abnormal end.
     On the calling thread, MPI's rule; a finalize still waiting after `timeout_s` (on a dead
-    peer, say) does not hold the exit up: a timer exits with `code` then."""
-    MPI = sys.modules.get("mpi4py.MPI")
+    peer, say) does not hold the exit up: a timer exits with `code` then. `mpi` (mpi4py's MPI
+    module, once imported) and `timer` (threading.Timer) are for tests."""
+    MPI = sys.modules.get("mpi4py.MPI") if mpi is None else mpi
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
         return
     import threading
 
-    timer = threading.Timer(timeout_s, os._exit, args=(code,))
-    timer.daemon = True
-    timer.start()
+    deadline = (timer or threading.Timer)(timeout_s, os._exit, args=(code,))
+    deadline.daemon = True
+    deadline.start()
     MPI.Finalize()
-    timer.cancel()
+    deadline.cancel()
 
 
 def record_exit_status(code: int) -> None:

@@ -323,15 +323,14 @@ def plot(summary: dict, path: Path) -> None:
 
 def mpirun_prefix() -> list[str]:
     """`mpirun --with-ft ulfm -n 1` of the Open MPI beside this interpreter; [] without one."""
-    mpirun = Path(sys.executable).parent / "mpirun"
+    from deadpool_megatron.agent.mpi_spawn import mpirun_command
+
     try:
         import mpi4py  # noqa: F401
     except ImportError:
         return []
-    if not mpirun.exists():
-        return []
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [str(mpirun), *root, "--oversubscribe", "--with-ft", "ulfm", "-n", "1"]
+    command = mpirun_command()
+    return [*command, "-n", "1"] if Path(command[0]).exists() else []
 
 
 def main(argv=None) -> int:

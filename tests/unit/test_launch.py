@@ -115,3 +115,21 @@ def test_unreachable_etcd_is_named_before_any_process_starts():
     assert done.returncode == 2
     assert "http://127.0.0.1:9" in done.stderr and "unreachable" in done.stderr
     assert "started worker" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, args",
+    [(["--mpi-spawn"], []), ([], ["--deadpool", "--deadpool-transport", "mpi"])],
+    ids=["launcher-flag", "implied-by-the-script-s-flag"],
+)
+def test_the_mpi_transport_outside_mpirun_exits_2_once_before_any_process_starts(flags, args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    done = subprocess.run(
+        [*launch_cmd(2, ["--config", "configs/demo.yaml", "--tensor-model-parallel-size", "1",
+                         "--pipeline-model-parallel-size", "1", *args], 0, flags)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert out.count("needs the launcher started by Open MPI 5's mpirun with ULFM") == 1
+    assert "started worker" not in out
