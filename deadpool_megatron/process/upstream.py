@@ -16,6 +16,7 @@ building the groups and the model (stage 4) is Megatron-LM's.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from ..control.c10d import StoppableStore, poll_cap
 from ..control.context import JobContext
 from ..events import CHECKPOINT_LOADED
 from ..failure.progress import ProgressBoard
-from ..megatron import checkpointing, cpu_backend, parallel, upstream, upstream_args
+from ..megatron import checkpointing, cpu_backend, parallel, upstream, upstream_args, wandb_run
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.loaders import KeptLoaders
@@ -437,6 +438,8 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     from ..errors import ConfigError
     from .entry import run_process
 
+    # the last rank's W&B run goes on in the spare that replaces it (megatron/wandb_run.py)
+    os.environ.update(wandb_run.run_env(os.environ, argv))
     upstream.cache_field_docstrings()  # every pretrain() of this process parses its flags twice
     upstream.print_arguments_once()
     upstream.torch_adam_loads_checkpoints()  # --load, where megatron-core has no Apex or TE

@@ -9,11 +9,14 @@ without a Megatron-LM checkout).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from megatron_lm_jobs import DP4, MODEL, launch, run
@@ -287,6 +290,72 @@ def test_upstream_tensorboard_holds_every_iterations_loss_across_hot_swaps(
     as_written = {i: [float(struct.unpack("f", struct.pack("f", float.fromhex(h)))[0])]
                   * (1 + again.count(i)) for i, h in losses.items()}  # fmt: skip
     assert written == as_written
+
+
+def offline_history(path: Path) -> Iterator[dict]:
+    """The history rows of an offline W&B run's .wandb file: wandb's log format (leveldb's: a
+    7-byte header, then records in 32 KiB blocks, each record's parts with a 7-byte header of
+    checksum, length and type), each a wandb_internal_pb2.Record; a killed writer's file ends
+    early."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, parts = 7, b""
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7:  # a block's tail too short for a header
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 or pos + 7 + length > len(data):
+            return
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or its last part
+            record = wandb_internal_pb2.Record.FromString(parts)
+            parts = b""
+            if record.WhichOneof("record_type") == "history":
+                yield {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}  # fmt: skip
+
+
+def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
+    megatron_lm, failure_free, tmp_path
+):
+    # --wandb-project: the last rank logs (Megatron-LM writes W&B beside TensorBoard). It
+    # survives the first failure (its pretrain() run again gets the run it has open) and dies
+    # in the second; the spare that takes its place opens the job's run again, by the id
+    # every process of the job is given, instead of a run of its own. Offline here: each
+    # process that opens the run writes a folder of it, named by the run's id; the spare's
+    # holds every iteration it ran with the failure-free value, from the roll-back on; the
+    # killed process's what W&B had written of its scalars before the kill (it buffers).
+    pytest.importorskip("tensorboard", reason="W&B scalars are written with TensorBoard's")
+    pytest.importorskip("wandb", reason="--wandb-project needs the wandb package")
+    runs = tmp_path / "wandb"
+    *_, output = run(megatron_lm, tmp_path, "wandb_swaps",
+        ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "deadpool-test",
+         "--wandb-exp-name", "hot-swaps", "--wandb-save-dir", str(runs),
+         "--deadpool-inject", "kill@1:5,kill@3:9"], spares=2,
+        env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})  # fmt: skip
+    job = re.search(r"job ([0-9a-f]{8})", output).group(1)
+    folders = sorted((runs / "wandb").glob("offline-run-*"))
+    # generation 0's last rank, (perhaps) its second init after the first failure, the spare
+    assert len(folders) >= 2, folders
+    assert {f.name.split("-", 3)[-1].removesuffix("-1") for f in folders} == {f"deadpool-{job}"}
+    rolled_to = [int(n) for n in re.findall(r"roll back to iteration (\d+)", output)]
+    assert len(rolled_to) == 2, output[-3000:]
+    logged = {}
+    for folder in folders:  # a second init in one process writes nothing into its folder
+        for wandb_file in folder.glob("*.wandb"):
+            rows = offline_history(wandb_file)
+            logged[folder] = {row["_step"]: row["lm loss"] for row in rows if "lm loss" in row}
+    losses, _ = failure_free
+    free = {i: float.fromhex(h) for i, h in losses.items()}
+    assert len(logged) == 2, logged  # generation 0's last rank, then the spare
+    first, spare = (logged[f] for f in sorted(logged))
+    assert spare == {i: v for i, v in free.items() if i > rolled_to[1]}
+    # what the killed process's W&B had written: failure-free values (the rest it buffered)
+    assert first and all(free[i] == v for i, v in first.items()), first
 
 
 @pytest.mark.parametrize(
