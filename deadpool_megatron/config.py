@@ -31,6 +31,12 @@ class ParallelConfig:
     use_distributed_optimizer: bool = knob(
         False, "Shard the optimizer state across data-parallel ranks (ZeRO-1)."
     )
+    expert_model_parallel_size: int = knob(
+        1, "Degree of expert parallelism (Megatron-LM's MoE models; this script has no experts)."
+    )
+    expert_tensor_parallel_size: int | None = knob(
+        None, "Tensor parallelism of the expert layers (default: the tensor-parallel size)."
+    )
 
 
 @dataclass

@@ -16,8 +16,18 @@ shards the shape and K cannot protect that way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import ConfigError
+
+
+class ParallelShape(Protocol):
+    """What a topology reads of a job's parallel settings (config.ParallelConfig)."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    expert_model_parallel_size: int
+    expert_tensor_parallel_size: int | None
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,10 @@ class Topology:
     tp: int
     pp: int
     ranks_per_node: int | None = None  # None: every rank on one node
+    # Expert layers (MoE): megatron-core lays each pipeline stage's ranks out again for them,
+    # "tp-ep-dp" with the expert tensor-parallel size (default: tp) fastest
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1 or self.world_size < 1:
@@ -45,6 +59,19 @@ class Topology:
             raise ConfigError(
                 f"world size {self.world_size} is not divisible by tp {self.tp} x pp {self.pp}"
             )
+        if (
+            self.ep < 1
+            or self.expert_tp < 1
+            or (self.world_size // self.pp) % (self.expert_tp * self.ep)
+        ):
+            raise ConfigError(
+                f"{self.world_size // self.pp} ranks per pipeline stage are not divisible by "
+                f"expert tensor-parallel size {self.expert_tp} x expert-parallel size {self.ep}"
+            )
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
 
     @property
     def dp(self) -> int:
@@ -75,6 +102,24 @@ class Topology:
     def pp_group(self, rank: int) -> list[int]:
         c = self.coords(rank)
         return [self.rank(Coordinates(c.tp, p, c.dp)) for p in range(self.pp)]
+
+    def expert_coords(self, rank: int) -> tuple[int, int]:
+        """This rank's (expert tensor-parallel, expert-parallel) ranks: which slice of which
+        experts it holds."""
+        self._check(rank)
+        local = rank % (self.world_size // self.pp)
+        return local % self.expert_tp, (local // self.expert_tp) % self.ep
+
+    def parameter_peers(self, rank: int) -> list[int]:
+        """The other ranks holding exactly this rank's parameters, in DP order: its DP peers
+        (same tp, pp), of those with experts the ones holding the same experts' same slice."""
+        mine = self.expert_coords(rank)
+        return [p for p in self.dp_group(rank) if p != rank and self.expert_coords(p) == mine]
+
+    def sole_parameter_holders(self) -> list[int]:
+        """Ranks whose parameters no other rank holds (expert parallelism as wide as data
+        parallelism): a spare could not be given them."""
+        return [r for r in range(self.world_size) if not self.parameter_peers(r)]
 
     def node(self, rank: int) -> int:
         self._check(rank)
@@ -140,3 +185,14 @@ class Topology:
     def _check(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank} is outside the world of size {self.world_size}")
+
+
+def job_topology(
+    world_size: int, parallel: ParallelShape, ranks_per_node: int | None = None
+) -> Topology:
+    """The topology of a job of `world_size` ranks laid out as `parallel` says."""
+    return Topology(
+        world_size, parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+        ranks_per_node, ep=parallel.expert_model_parallel_size,
+        etp=parallel.expert_tensor_parallel_size,
+    )  # fmt: skip

@@ -53,6 +53,13 @@ def validate(cfg: JobConfig, world_size: int) -> JobConfig:
         f"multiple of {t.micro_batch_size * dp}",
     )
     _require(
+        p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size in (None, tp),
+        f"--expert-model-parallel-size {p.expert_model_parallel_size} / "
+        f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size}: this pretrain_gpt.py "
+        "builds no experts (Megatron-LM's does, with --num-experts: run its pretrain_gpt.py "
+        "under deadpool-launch); leave them out",
+    )
+    _require(
         m.num_attention_heads % tp == 0,
         f"--num-attention-heads {m.num_attention_heads} is not divisible by "
         f"--tensor-model-parallel-size {tp}; use a multiple of {tp}",
@@ -234,6 +241,38 @@ def validate_deadpool(cfg: JobConfig, dp: int, eval_interval: int | None = None)
         f"coordinates; 0 keeps local snapshots only: transient failures are reset in place, "
         f"a lost process is not recoverable in memory)",
     )
+    _check_expert_parallel(cfg, dp)
+
+
+def _check_expert_parallel(cfg: JobConfig, dp: int) -> None:
+    """A spare restores a lost rank's parameters from a rank holding the same ones: with
+    expert parallelism, one holding the same experts. Where expert parallelism is as wide as
+    data parallelism, each expert lives on one rank only and nobody could give them."""
+    from .topology import job_topology
+
+    p = cfg.parallel
+    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size in (
+        None,
+        p.tensor_model_parallel_size,
+    ):
+        return  # every DP peer holds the same parameters
+    try:
+        topo = job_topology(cfg_world_size(cfg, dp), p)
+    except ConfigError as err:
+        raise ConfigError(
+            f"--expert-model-parallel-size {p.expert_model_parallel_size}: {err}"
+        ) from None
+    alone = topo.sole_parameter_holders()
+    if alone:
+        widest = dp * p.tensor_model_parallel_size // (2 * topo.expert_tp)
+        raise ConfigError(
+            f"--expert-model-parallel-size {p.expert_model_parallel_size} with --deadpool: "
+            f"rank {alone[0]}'s experts ({len(alone)} of {topo.world_size} ranks alike) are held "
+            "by no other rank, so a spare could not be given them; use an expert-parallel size "
+            f"of at most {max(widest, 1)} (data-parallel size {dp} x tensor-parallel size "
+            f"{p.tensor_model_parallel_size} / 2 / expert tensor-parallel size {topo.expert_tp}), "
+            "so that every expert is on two ranks"
+        )
 
 
 # Fault phases only our own training step (megatron/training.py) reaches.

@@ -175,7 +175,7 @@ class Agent:
 
     def topology(self) -> Topology:
         return Topology(self.world_size, self.settings.tp, self.settings.pp,
-                        self.args.nproc_per_node)  # fmt: skip
+                        self.args.nproc_per_node, ep=self.settings.ep, etp=self.settings.etp)  # fmt: skip
 
     # -- watching ---------------------------------------------------------------------------
     def _new_run(self) -> Run:

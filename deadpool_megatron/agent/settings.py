@@ -27,6 +27,8 @@ class LaunchSettings:
     protection: DeadpoolConfig = field(default_factory=DeadpoolConfig)
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    etp: int | None = None
     save: str | None = None
     load: str | None = None
     flags: dict | None = None  # every flag of the script as it parsed them; None: not told
@@ -38,6 +40,8 @@ class LaunchSettings:
             protection=DeadpoolConfig(**{k: v for k, v in d.items() if k in names}),
             tp=int(d.get("tensor_model_parallel_size", 1)),
             pp=int(d.get("pipeline_model_parallel_size", 1)),
+            ep=int(d.get("expert_model_parallel_size", 1)),
+            etp=d.get("expert_tensor_parallel_size"),
             save=d.get("save"),
             load=d.get("load"),
             flags=d.get("flags"),

@@ -22,6 +22,9 @@ never comes here). What it changes, exactly:
    itself (optimizer/optimizer.py, language_module.py, tensor_parallel/data.py, utils.py);
    both only when the calling frame belongs to a `megatron.*` module: every other caller
    gets torch's own methods.
+4. In `megatron.core.transformer.moe.moe_utils`, `te_general_gemm` is None where
+   transformer-engine is missing: core_v0.16.1 imports it only with TE, and its MoE router
+   then stops on a NameError (core_v0.19.0 sets it None itself).
 
 Modules megatron-core imports lazily (`_MODULES_TO_LOAD`) are imported first so they get the
 view too; `patch_loaded_modules()` runs again after the model-parallel initialisation.
@@ -257,6 +260,8 @@ def patch_loaded_modules() -> int:
         if name.endswith("tensor_parallel.random"):
             module._get_cuda_rng_state = _cpu_get_rng_state
             module._set_cuda_rng_state = _cpu_set_rng_state
+        if name.endswith("transformer.moe.moe_utils") and "te_general_gemm" not in vars(module):
+            module.te_general_gemm = None  # see item 4 of this module's docstring
     return patched
 
 

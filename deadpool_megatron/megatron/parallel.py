@@ -252,6 +252,15 @@ def coordinates() -> tuple[int, int, int]:
     )
 
 
+def expert_coordinates() -> tuple[int, int]:
+    """This rank's (expert tensor-parallel, expert-parallel) ranks as megatron-core assigned
+    them (0, 0 in a job without experts' parallelism)."""
+    return (
+        parallel_state.get_expert_tensor_parallel_rank(),
+        parallel_state.get_expert_model_parallel_rank(),
+    )
+
+
 def host_group() -> dist.ProcessGroup:
     """A gloo group over every rank, for a recovery's host-memory transfers and checks.
 

@@ -18,6 +18,8 @@ from ..validation import check_model_parallel, validate_deadpool
 _SHARED_FLAGS: tuple[tuple[str, type | None, object], ...] = (
     ("--tensor-model-parallel-size", int, 1),
     ("--pipeline-model-parallel-size", int, 1),
+    ("--expert-model-parallel-size", int, 1),
+    ("--expert-tensor-parallel-size", int, None),
     ("--micro-batch-size", int, None),
     ("--global-batch-size", int, None),
     ("--train-iters", int, None),

@@ -24,7 +24,7 @@ from ..megatron.fence import step_fence_installer
 from ..megatron.model import TrainState
 from ..megatron.shard import RankState
 from ..runtime import ProcessEnv
-from ..topology import Topology
+from ..topology import Topology, job_topology
 
 
 def build_pipeline(
@@ -42,9 +42,7 @@ def build_pipeline(
     p = cfg.parallel
     world = dist.get_world_size()
     rank = dist.get_rank()
-    topo = Topology(
-        world, p.tensor_model_parallel_size, p.pipeline_model_parallel_size, env.local_world_size
-    )
+    topo = job_topology(world, p, env.local_world_size)
     k = cfg.deadpool.deadpool_replicas
     ring = parallel.dp_group()
     if cfg.deadpool.deadpool_transport in ("tcp", "tcp-stream"):

@@ -153,12 +153,10 @@ def spare_prebuilds(cfg, env: ProcessEnv, client: ControlClient) -> SparePrebuil
         return None
     from ..megatron.prebuild import prebuild
     from ..recovery.placement import fitting_ranks, prebuild_targets, spare_slot
-    from ..topology import Topology
+    from ..topology import job_topology
 
-    p = cfg.parallel
-    topo = Topology(env.world_size, p.tensor_model_parallel_size,
-                    p.pipeline_model_parallel_size, env.local_world_size)  # fmt: skip
-    distopt = p.use_distributed_optimizer
+    topo = job_topology(env.world_size, cfg.parallel, env.local_world_size)
+    distopt = cfg.parallel.use_distributed_optimizer
     slot = spare_slot(env.local_rank, env.local_world_size)
     return SparePrebuilds(
         prebuild_targets(topo, env.node, slot, count, distopt),

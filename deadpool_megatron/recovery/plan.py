@@ -4,7 +4,8 @@ bytes move from where to where. Pure: no I/O, tested as a table.
 The paper's reconstruction, no more traffic than needed: every surviving (or transiently
 failed) rank rolls back to its own host snapshot of iteration i; a spare that takes a failed
 rank's (tp, pp, dp) coordinates receives the parameters from ONE healthy DP peer with the same
-(tp, pp) coordinates (all DP peers hold identical parameters) and the optimizer shard +
+(tp, pp) coordinates (all DP peers hold identical parameters; with experts, those holding the
+same experts, Topology.parameter_peers) and the optimizer shard +
 metadata from ONE surviving DP-ring successor that holds a verified replica. i is the newest
 iteration for which all of that exists; when nothing does (both copies of a shard lost, no
 spare left), the plan says exactly what was lost instead of resuming on wrong state. Before
@@ -114,13 +115,17 @@ def _sources(topology, permanent, holdings, replicas, iteration, reasons) -> lis
     for failed in sorted(permanent):
         c = topology.coords(failed)
         where = f"rank {failed} (tp {c.tp}, pp {c.pp}, dp {c.dp})"
-        # Parameters: the nearest live DP peer (ring predecessor first) with this snapshot.
-        peers = [p for p in topology.ring_predecessors(failed, topology.dp) if p in holdings]
+        # Parameters: the nearest live peer holding the same ones (ring predecessor first; of
+        # a job with experts, one that holds the same experts) with this snapshot.
+        same = topology.parameter_peers(failed)
+        peers = [p for p in topology.ring_predecessors(failed, topology.dp)
+                 if p in holdings and p in same]  # fmt: skip
         peer = next((p for p in peers if iteration in holdings[p].snapshots), None)
         if peer is None:
+            whose = "TP/PP" if topology.ep == 1 else "TP/PP and expert"
             reasons[iteration] = (
-                f"{where}: no live DP peer with the same TP/PP coordinates holds its parameters "
-                f"at iteration {iteration} (its whole DP group failed)"
+                f"{where}: no live DP peer with the same {whose} coordinates holds its "
+                f"parameters at iteration {iteration} (all of them failed: {same})"
             )
             return None
         # Optimizer shard: the nearest live ring successor holding a verified replica.
@@ -175,8 +180,10 @@ def generation_problems(
     plan: RecoveryPlan, view: int, facts: list[tuple[int, ...]], topology: Topology
 ) -> list[str]:
     """What the ranks' reports after their restore (rank r's at `facts[r]`: generation,
-    iteration restored, a hash of its membership view, tp, pp, dp) show wrong against `plan`
-    and `view`, this rank's hash of the plan's membership; empty when every rank holds."""
+    iteration restored, a hash of its membership view, tp, pp, dp, expert tp, ep) show wrong
+    against `plan` and `view`, this rank's hash of the plan's membership; empty when every
+    rank holds (megatron-core's coordinates must be the topology's, whose maths the plan's
+    sources follow)."""
     problems = []
     # From the start, each rank found where training starts itself: they must agree.
     wanted = facts[0][1] if plan.from_start else plan.iteration
@@ -187,7 +194,8 @@ def generation_problems(
             problems.append(f"rank {rank} restored iteration {iteration}" + (
                 f", rank 0 {wanted}" if plan.from_start else ""))  # fmt: skip
         expected = topology.coords(rank)
-        if tuple(coords) != (expected.tp, expected.pp, expected.dp):
+        if tuple(coords) != (expected.tp, expected.pp, expected.dp,
+                             *topology.expert_coords(rank)):  # fmt: skip
             problems.append(f"rank {rank} holds coordinates {tuple(coords)}")
     return problems
 

@@ -62,7 +62,7 @@ from ..megatron.prebuild import Prebuilt
 from ..megatron.shard import RankState
 from ..megatron.training import Trainer
 from ..runtime import ProcessEnv
-from ..topology import Topology
+from ..topology import job_topology
 from .abort import CommunicatorAbort
 from .accounting import Lap, Resumed
 from .exchange import (
@@ -140,12 +140,7 @@ class ProcessRecovery:
                                          sleep)  # fmt: skip
         self._cpu_clock = cpu_clock  # this process's CPU seconds, every thread
         self._cpu_at = 0.0  # the CPU clock when the recovery under way began
-        self.topology = Topology(
-            env.world_size,
-            cfg.parallel.tensor_model_parallel_size,
-            cfg.parallel.pipeline_model_parallel_size,
-            env.local_world_size,
-        )
+        self.topology = job_topology(env.world_size, cfg.parallel, env.local_world_size)
         self.held = Held()
         self.active = False  # between a failure and the resumed iteration
         self.completed = 0  # the newest iteration this process finished before the failure

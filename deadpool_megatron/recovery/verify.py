@@ -30,7 +30,8 @@ def verify_generation(
     check_plan(plan, topology)
     view = int.from_bytes(hashlib.sha1(plan.membership.encode()).digest()[:8], "little",
                           signed=True)  # fmt: skip
-    mine = (plan.generation, restored, view, *parallel.coordinates())
+    mine = (plan.generation, restored, view, *parallel.coordinates(),
+            *parallel.expert_coordinates())  # fmt: skip
     facts = all_gather_ints(mine, group)
     problems = generation_problems(plan, view, facts, topology)
     if problems:

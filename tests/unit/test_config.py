@@ -72,6 +72,12 @@ def test_every_config_field_is_a_flag_with_help():
             "--deadpool-replicas 1 needs 0 <= K <= data-parallel size - 1 (data-parallel size is 1",
         ),
         (["--deadpool-snapshot-interval", "0"], 8, "--deadpool-snapshot-interval=0 must be"),
+        (
+            ["--expert-model-parallel-size", "2"],
+            8,
+            "--expert-model-parallel-size 2 / --expert-tensor-parallel-size None: this "
+            "pretrain_gpt.py builds no experts",
+        ),
         (["--distributed-timeout-minutes", "0"], 8, "--distributed-timeout-minutes=0.0 must be"),
         (
             ["--deadpool", "--deadpool-inject", "kill@1:6:evaluate"],

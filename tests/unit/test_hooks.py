@@ -68,6 +68,9 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
     assert cfg.parallel.pipeline_model_parallel_size == 2
     assert cfg.training.global_batch_size == 4  # Megatron-LM's default: micro x data-parallel
     assert cfg.deadpool.deadpool and cfg.logging.metrics_jsonl == "m.jsonl"
+    assert cfg.parallel.expert_model_parallel_size == 1
+    experts = parse_job_config([*BASE, "--deadpool", "--expert-model-parallel-size", "2"], 4)
+    assert experts.parallel.expert_model_parallel_size == 2  # every expert on two ranks
 
 
 @pytest.mark.parametrize(
@@ -92,6 +95,12 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         (["--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "7",
           "--use-distributed-optimizer", "--deadpool"], 4,
          r"--train-samples 7 is less than one global batch \(8\): use at least 8"),
+        # experts as wide as data parallelism: each on one rank, which a spare could not get
+        ([*BASE, "--deadpool", "--num-experts", "4", "--expert-model-parallel-size", "4"], 4,
+         r"--expert-model-parallel-size 4 with --deadpool: rank 0's experts \(4 of 4 ranks "
+         r"alike\) are held by no other rank.* at most 2 "),
+        ([*BASE, "--deadpool", "--expert-model-parallel-size", "3"], 4,
+         "--expert-model-parallel-size 3: 4 ranks per pipeline stage are not divisible"),
     ],
 )  # fmt: skip
 def test_parse_job_config_names_the_bad_value(argv, world, message):

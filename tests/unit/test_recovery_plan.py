@@ -177,7 +177,8 @@ def test_check_plan_rejects_a_rank_restored_twice_or_from_a_failed_source():
 def _facts(plan, topo, view_hash):
     return [
         (plan.generation, plan.iteration, view_hash, *(vars(topo.coords(r))[k] for k in
-                                                        ("tp", "pp", "dp")))
+                                                        ("tp", "pp", "dp")),
+         *topo.expert_coords(r))
         for r in range(topo.world_size)
     ]  # fmt: skip
 
@@ -189,7 +190,7 @@ def _facts(plan, topo, view_hash):
         (3, 0, 7, "rank 3 is in generation 7 / view 0x2a"),
         (5, 2, 41, "rank 5 is in generation 1 / view 0x29"),
         (0, 1, 4, "rank 0 restored iteration 4"),
-        (6, 3, 1, "rank 6 holds coordinates (1, 1, 1)"),
+        (6, 3, 1, "rank 6 holds coordinates (1, 1, 1, 0, 0)"),
     ],
 )
 def test_the_ranks_reports_after_a_restore_are_checked_against_the_plan(
@@ -201,3 +202,15 @@ def test_the_ranks_reports_after_a_restore_are_checked_against_the_plan(
         facts[rank] = tuple(value if i == field else f for i, f in enumerate(facts[rank]))
     got = generation_problems(plan, 42, facts, TOPO_3D)
     assert got == ([] if problem is None else [problem])
+
+
+def test_with_experts_the_parameters_come_from_a_rank_holding_the_same_experts():
+    # EP2 x DP4: ranks 0 and 2 hold experts 0-1, ranks 1 and 3 experts 2-3. Rank 1's ring
+    # predecessor is rank 0, whose experts are not rank 1's: its parameters come from rank 3.
+    topo = Topology(4, tp=1, pp=1, ep=2)
+    plan = plan_recovery(view(topo), topo, {1}, holdings(topo, {1}))
+    assert set(plan.transfers) == {Transfer("parameters", 3, 1, 1, 5),
+                                   Transfer("replica", 2, 1, 1, 5)}  # fmt: skip
+    check_plan(plan, topo)
+    with pytest.raises(Unrecoverable, match=r"same TP/PP and expert coordinates .* \[3\]"):
+        plan_recovery(view(topo), topo, {1, 3}, holdings(topo, {1, 3}, k=2), replicas=2)

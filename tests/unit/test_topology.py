@@ -98,3 +98,41 @@ def test_ring_edges_come_in_rounds_where_no_rank_has_two(world, tp, pp, k):
         seen |= {a, b}
     assert rounds <= 2 * k + 1  # a ring's edges need 2 rounds (3 when odd), k rings' 2k + 1
     assert edges == topo.ring_edges(k)  # the same order on every rank
+
+
+@pytest.mark.parametrize(
+    "world, tp, pp, ep, etp",
+    [(4, 1, 1, 2, None), (8, 1, 2, 2, None), (8, 2, 1, 2, None), (16, 2, 2, 2, 1),
+     (16, 1, 1, 4, None), (8, 2, 1, 1, 1), (16, 2, 1, 2, 4)],
+)  # fmt: skip
+def test_expert_coordinates_follow_megatron_core_s_expert_layout(world, tp, pp, ep, etp):
+    # megatron-core's own generator of the expert groups (parallel_state.initialize_model_parallel)
+    from megatron.core.parallel_state import RankGenerator
+
+    topo = Topology(world, tp, pp, ep=ep, etp=etp)
+    expert_tp = tp if etp is None else etp
+    layout = RankGenerator(tp=expert_tp, ep=ep, dp=world // (expert_tp * ep * pp), pp=pp, cp=1,
+                           order="tp-cp-ep-dp-pp", rank_offset=0)  # fmt: skip
+    for group in layout.get_ranks("ep"):
+        assert [topo.expert_coords(r)[1] for r in group] == list(range(ep))
+    for group in layout.get_ranks("tp"):
+        assert [topo.expert_coords(r)[0] for r in group] == list(range(expert_tp))
+    holders = {}  # ranks holding the same parameters: same dense and expert slices
+    for group in layout.get_ranks("dp"):  # megatron-core's expert data-parallel groups
+        for r in group:
+            holders[r] = {p for p in group if p != r and topo.coords(p).tp == topo.coords(r).tp}
+    assert {r: set(topo.parameter_peers(r)) for r in range(world)} == holders
+
+
+def test_without_experts_every_dp_peer_holds_the_same_parameters():
+    topo = Topology(8, tp=2, pp=1)
+    assert topo.parameter_peers(0) == [2, 4, 6] and topo.sole_parameter_holders() == []
+    assert topo.expert_coords(5) == (1, 0)
+
+
+def test_experts_as_wide_as_data_parallelism_leave_each_on_one_rank():
+    assert Topology(4, tp=1, pp=1, ep=2).parameter_peers(1) == [3]
+    assert Topology(4, tp=1, pp=1, ep=4).sole_parameter_holders() == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match="not divisible by expert tensor-parallel size 1 x "
+                                          "expert-parallel size 3"):  # fmt: skip
+        Topology(4, tp=1, pp=1, ep=3)
