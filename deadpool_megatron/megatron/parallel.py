@@ -244,11 +244,12 @@ def destroy_distributed() -> None:
 
 
 def coordinates() -> tuple[int, int, int]:
-    """This rank's (tp, pp, dp) coordinates as megatron-core assigned them."""
+    """This rank's (tp, pp, dp) coordinates as megatron-core assigned them; dp counts context
+    parallelism in, as the distributed optimizer's sharding and our topology do."""
     return (
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
 
 
@@ -290,7 +291,7 @@ def ring_pairs(topo: Topology, replicas: int) -> dict[int, dist.ProcessGroup]:
     once. megatron-core's DP group is not reused: a group is never shared between threads.
     """
     me = dist.get_rank()
-    expected = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    expected = dist.get_process_group_ranks(dp_group())
     if sorted(expected) != sorted(topo.dp_group(me)):
         raise RuntimeError(
             f"megatron-core's DP group {expected} differs from the ring "
@@ -308,5 +309,7 @@ def ring_pairs(topo: Topology, replicas: int) -> dict[int, dist.ProcessGroup]:
 
 def dp_group() -> dist.ProcessGroup:
     """megatron-core's data-parallel group of this rank (its ring's members), for the training
-    thread's own exchanges at set-up."""
-    return parallel_state.get_data_parallel_group()
+    thread's own exchanges at set-up: with context parallelism, the group the distributed
+    optimizer shards over (data and context parallel; written, not run: context parallelism
+    needs transformer-engine's attention, which a CPU has not)."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
