@@ -86,6 +86,14 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
         raise ConfigError(
             "--inprocess-restart and --deadpool both recover a failed job in-process; use one"
         )
+    for fsdp in ("--use-megatron-fsdp", "--use-torch-fsdp2"):
+        if ns.deadpool and _given(argv, fsdp):
+            raise ConfigError(
+                f"{fsdp} is not supported with --deadpool: it shards the parameters over the "
+                "data-parallel ranks, so no peer holds a lost rank's parameters to give a spare; "
+                "use --use-distributed-optimizer (the optimizer state sharded, the parameters "
+                "whole on every data-parallel rank)"
+            )
     if _given(argv, "--rampup-batch-size"):
         raise ConfigError(
             "--rampup-batch-size is not supported with --deadpool: the samples consumed by "

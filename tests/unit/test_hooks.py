@@ -99,6 +99,9 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         ([*BASE, "--deadpool", "--num-experts", "4", "--expert-model-parallel-size", "4"], 4,
          r"--expert-model-parallel-size 4 with --deadpool: rank 0's experts \(4 of 4 ranks "
          r"alike\) are held by no other rank.* at most 2 "),
+        ([*BASE, "--deadpool", "--use-megatron-fsdp"], 4,
+         "--use-megatron-fsdp is not supported with --deadpool: it shards the parameters"),
+        ([*BASE, "--deadpool", "--use-torch-fsdp2"], 4, "--use-torch-fsdp2 is not supported"),
         ([*BASE, "--deadpool", "--expert-model-parallel-size", "3"], 4,
          "--expert-model-parallel-size 3: 4 ranks per pipeline stage are not divisible"),
     ],
@@ -211,3 +214,8 @@ def test_the_patch_series_adds_only_calls_into_deadpool():
             if line.startswith("+") and not line.startswith("+++"):
                 code = line[1:].strip()
                 assert not code or code.startswith("#") or "deadpool" in code, (patch.name, line)
+
+
+def test_fully_sharded_data_parallel_is_left_alone_without_deadpool():
+    cfg = parse_job_config([*BASE, "--use-megatron-fsdp"], 4)  # a checkpoint-restart job's
+    assert not cfg.deadpool.deadpool
