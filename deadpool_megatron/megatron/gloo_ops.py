@@ -191,6 +191,11 @@ def _collective(fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         _check()
+        if _coalescing(_group(fn, args, kwargs)):
+            # Inside torch's _coalescing_manager the operation is only recorded (an async one
+            # returns a placeholder that cannot be waited on); the manager posts them all as
+            # one at its exit (megatron-core's grads across distributed-optimizer instances)
+            return fn(*args, **kwargs)
         # Posted asynchronously whatever the caller asked, by name or by position (Megatron-LM's
         # signal handler passes `async_op` positionally to all_gather).
         if at is not None and at < len(args):
@@ -237,6 +242,13 @@ def _group(fn, args: tuple, kwargs: dict):
     at = _group_position(fn)
     group = kwargs.get("group", args[at] if at is not None and at < len(args) else None)
     return group if group is not None else dist.group.WORLD
+
+
+def _coalescing(group) -> bool:
+    """Whether `group` is inside torch's _coalescing_manager on this thread's process."""
+    from torch.distributed.distributed_c10d import _world
+
+    return group is not None and group in _world.pg_coalesce_state
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _coalescing_manager
 
 from deadpool_megatron.megatron import gloo_ops
 
@@ -37,6 +38,16 @@ def main(rank: int, store_file: str) -> None:
     peak = torch.tensor([float(rank)])
     view.all_reduce(peak, dist.ReduceOp.MAX)
     out["default_group"] = peak.item()
+    # megatron-core's grads across distributed-optimizer instances: all_reduce recorded inside
+    # torch's coalescing manager (a placeholder work each), posted as one at its exit
+    for async_op in (False, True):
+        parts = [torch.tensor([rank + 1.0]), torch.tensor([10.0 * (rank + 1)])]
+        with _coalescing_manager(group, async_ops=async_op) as cm:
+            for part in parts:
+                view.all_reduce(part, group=group, async_op=async_op)
+        if async_op:
+            cm.wait()
+        out[f"coalesced_{'async' if async_op else 'sync'}"] = [p.item() for p in parts]
     dist.destroy_process_group()
     print(json.dumps(out))
 

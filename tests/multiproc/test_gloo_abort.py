@@ -55,10 +55,13 @@ def test_the_interruptible_view_takes_async_op_and_group_by_name_or_by_position(
     tmp_path, run_drivers
 ):
     # Megatron-LM's signal handler calls all_gather(outs, tensor, group, async_op): the view
-    # took async_op by name only ("got multiple values for argument 'async_op'").
+    # took async_op by name only ("got multiple values for argument 'async_op'"); inside
+    # torch's coalescing manager it waited on a placeholder ("Illegal to call wait on
+    # IllegalWork object": --num-distributed-optimizer-instances 2 failed its first iteration).
     driver = ROOT / "tests" / "drivers" / "view_calls_driver.py"
     outs = run_drivers(driver, [[str(r), str(tmp_path / "store")] for r in range(2)], 120)
     for out in outs:
         assert out == {"positional_sync": None, "gathered": [1.0, 2.0],
                        "positional_async": [10.0, 11.0], "keyword_sync": 3.0,
-                       "default_group": 1.0}, out  # fmt: skip
+                       "default_group": 1.0, "coalesced_sync": [3.0, 30.0],
+                       "coalesced_async": [3.0, 30.0]}, out  # fmt: skip

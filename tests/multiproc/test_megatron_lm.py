@@ -380,11 +380,17 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
                                  "2", "--moe-token-dispatcher-type", "allgather",
                                  "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"],
          "kill@1:5"),
+        # the optimizer sharded within two instances of DP2 each, the grads all-reduced across
+        # them in torch's coalescing manager (DP4; needs einops)
+        ("distributed_optimizer_instances", [*DP4, "--num-distributed-optimizer-instances",
+                                             "2"], "kill@1:5"),
     ],
 )  # fmt: skip
 def test_upstream_configurations_users_run_are_hot_swapped_bitwise(
     megatron_lm, tmp_path, name, flags, kill
 ):
+    if name == "distributed_optimizer_instances":
+        pytest.importorskip("einops", reason="Megatron-LM's optimizer instances import einops")
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     losses, final, _ = run(megatron_lm, tmp_path, f"{name}_free", flags, env=env)
     got, got_final, output = run(
