@@ -174,8 +174,9 @@ class Agent:
             self.lease.start()
 
     def topology(self) -> Topology:
-        return Topology(self.world_size, self.settings.tp, self.settings.pp,
-                        self.args.nproc_per_node, ep=self.settings.ep, etp=self.settings.etp)  # fmt: skip
+        s = self.settings
+        return Topology(self.world_size, s.tp, s.pp, self.args.nproc_per_node, ep=s.ep,
+                        etp=s.etp)  # fmt: skip
 
     # -- watching ---------------------------------------------------------------------------
     def _new_run(self) -> Run:

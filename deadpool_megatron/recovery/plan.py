@@ -122,7 +122,8 @@ def _sources(topology, permanent, holdings, replicas, iteration, reasons) -> lis
                  if p in holdings and p in same]  # fmt: skip
         peer = next((p for p in peers if iteration in holdings[p].snapshots), None)
         if peer is None:
-            whose = "TP/PP" if topology.ep == 1 else "TP/PP and expert"
+            plain = topology.ep == 1 and topology.expert_tp == topology.tp
+            whose = "TP/PP" if plain else "TP/PP and expert"
             reasons[iteration] = (
                 f"{where}: no live DP peer with the same {whose} coordinates holds its "
                 f"parameters at iteration {iteration} (all of them failed: {same})"
