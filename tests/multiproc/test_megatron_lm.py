@@ -328,7 +328,8 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
     # every process of the job is given, instead of a run of its own. Offline here: each
     # process that opens the run writes a folder of it, named by the run's id; the spare's
     # holds every iteration it ran with the failure-free value, from the roll-back on; the
-    # killed process's what W&B had written of its scalars before the kill (it buffers).
+    # killed process's what W&B had written of its scalars before the kill (it buffers: in
+    # one run iterations 1-3 of 1-8, in another none).
     pytest.importorskip("tensorboard", reason="W&B scalars are written with TensorBoard's")
     pytest.importorskip("wandb", reason="--wandb-project needs the wandb package")
     runs = tmp_path / "wandb"
@@ -344,18 +345,17 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
     assert {f.name.split("-", 3)[-1].removesuffix("-1") for f in folders} == {f"deadpool-{job}"}
     rolled_to = [int(n) for n in re.findall(r"roll back to iteration (\d+)", output)]
     assert len(rolled_to) == 2, output[-3000:]
-    logged = {}
-    for folder in folders:  # a second init in one process writes nothing into its folder
+    logged = {}  # a second init in one process writes nothing into its folder
+    for folder in folders:
         for wandb_file in folder.glob("*.wandb"):
             rows = offline_history(wandb_file)
             logged[folder] = {row["_step"]: row["lm loss"] for row in rows if "lm loss" in row}
     losses, _ = failure_free
     free = {i: float.fromhex(h) for i, h in losses.items()}
-    assert len(logged) == 2, logged  # generation 0's last rank, then the spare
-    first, spare = (logged[f] for f in sorted(logged))
+    *killed, spare = (logged[f] for f in sorted(logged))  # folders are named by start time
     assert spare == {i: v for i, v in free.items() if i > rolled_to[1]}
-    # what the killed process's W&B had written: failure-free values (the rest it buffered)
-    assert first and all(free[i] == v for i, v in first.items()), first
+    # what the killed process's W&B had written (some runs nothing: it buffers), as logged
+    assert all(free[i] == v for run in killed for i, v in run.items()), killed
 
 
 @pytest.mark.parametrize(
