@@ -22,9 +22,12 @@ never comes here). What it changes, exactly:
    itself (optimizer/optimizer.py, language_module.py, tensor_parallel/data.py, utils.py);
    both only when the calling frame belongs to a `megatron.*` module: every other caller
    gets torch's own methods.
-4. In `megatron.core.transformer.moe.moe_utils`, `te_general_gemm` is None where
-   transformer-engine is missing: core_v0.16.1 imports it only with TE, and its MoE router
-   then stops on a NameError (core_v0.19.0 sets it None itself).
+4. Mixtures of experts: in `megatron.core.transformer.moe.moe_utils`, `te_general_gemm` is
+   None where transformer-engine is missing (core_v0.16.1 imports it only with TE, and its
+   router then stops on a NameError; core_v0.19.0 sets it None itself); and
+   `maybe_move_tensor_to_cpu(t, as_numpy=True)`, wherever it was imported, gives a host
+   tensor as numpy too, as it does a GPU one (the alltoall dispatcher's split sizes, which
+   torch's all_to_all_single refuses as tensors).
 
 Modules megatron-core imports lazily (`_MODULES_TO_LOAD`) are imported first so they get the
 view too; `patch_loaded_modules()` runs again after the model-parallel initialisation.
@@ -33,6 +36,7 @@ view too; `patch_loaded_modules()` runs again after the model-parallel initialis
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
@@ -262,7 +266,24 @@ def patch_loaded_modules() -> int:
             module._set_cuda_rng_state = _cpu_set_rng_state
         if name.endswith("transformer.moe.moe_utils") and "te_general_gemm" not in vars(module):
             module.te_general_gemm = None  # see item 4 of this module's docstring
+        move = vars(module).get("maybe_move_tensor_to_cpu")
+        if move is not None and not getattr(move, "_deadpool_cpu", False):
+            module.maybe_move_tensor_to_cpu = _host_tensor_as_numpy(move)  # item 4
     return patched
+
+
+def _host_tensor_as_numpy(move):
+    """megatron-core's maybe_move_tensor_to_cpu, for a tensor already in host memory: as the
+    numpy array it gives for a GPU tensor when asked."""
+
+    @functools.wraps(move)
+    def cpu_move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    cpu_move._deadpool_cpu = True
+    return cpu_move
 
 
 _VIEW: types.ModuleType | None = None

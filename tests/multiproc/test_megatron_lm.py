@@ -372,12 +372,12 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
                                    "1", "--recompute-granularity", "full", "--recompute-method",
                                    "uniform", "--recompute-num-layers", "1"], "kill@2:7"),
         # a mixture of experts, 4 experts in 2 expert-parallel ranks (DP4 x EP2: ranks 0 and 2
-        # hold experts 0-1, 1 and 3 experts 2-3): the spare for rank 1 gets its parameters
-        # from rank 3, not from its ring predecessor 0 (whose experts are others: the state
-        # diverged from the first resumed iteration on when it did). No bias: core_v0.16.1's
-        # local experts add theirs in place on a view, which autograd refuses.
+        # hold experts 0-1, 1 and 3 experts 2-3), tokens sent by all-to-all: the spare for rank
+        # 1 gets its parameters from rank 3, not from its ring predecessor 0 (whose experts are
+        # others: the state diverged from the first resumed iteration on when it did). No
+        # bias: core_v0.16.1's local experts add theirs in place on a view (autograd refuses).
         ("moe_expert_parallel", [*DP4, "--num-experts", "4", "--expert-model-parallel-size",
-                                 "2", "--moe-token-dispatcher-type", "allgather",
+                                 "2", "--moe-token-dispatcher-type", "alltoall",
                                  "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"],
          "kill@1:5"),
         # the optimizer sharded within two instances of DP2 each, the grads all-reduced across

@@ -25,10 +25,14 @@ inp, weight = torch.randn(3, 8), torch.randn(4, 8)
 logits = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
 assert torch.equal(logits, inp @ weight.t()), logits
 print("router", tuple(logits.shape), moe_utils.te_general_gemm)
+from megatron.core.transformer.moe import token_dispatcher
+splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
+kept = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]))
+print("splits", type(splits).__name__, splits.tolist(), type(kept).__name__)
 """
 
 
-def test_megatron_core_s_moe_router_runs_without_transformer_engine():
+def test_megatron_core_s_moe_router_and_dispatcher_run_without_transformer_engine():
     # core_v0.16.1 imports te_general_gemm only with transformer-engine, then reads it in the
     # router's gating (a NameError on CPU): the CPU backend gives the name, None
     import subprocess
@@ -38,3 +42,6 @@ def test_megatron_core_s_moe_router_runs_without_transformer_engine():
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "router (3, 4) None" in done.stdout
+    # the alltoall dispatcher's split sizes as numpy, as from a GPU (torch's all_to_all_single
+    # refuses tensors there)
+    assert "splits ndarray [3, 5] Tensor" in done.stdout
