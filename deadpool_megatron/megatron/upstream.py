@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -24,7 +25,8 @@ log = logging.getLogger("deadpool.upstream")
 def reset_global_state() -> None:
     """Before Megatron-LM's pretrain() runs again in this process: its globals (arguments,
     timers, microbatch calculator, buffers, parallel state, rerun machine) and every group.
-    The last rank's TensorBoard writer is closed first: Megatron-LM only drops it, and the
+    Mixture-of-experts layers' logged auxiliary losses are forgotten. The last rank's
+    TensorBoard writer is closed first: Megatron-LM only drops it, and the
     pretrain() run again opens a new one (a new event file in the same directory), so each
     hot-swap left the old writer's thread behind, and its queued scalars unwritten until
     that thread's next flush (every 120 s)."""
@@ -35,6 +37,11 @@ def reset_global_state() -> None:
     if writer is not None:
         writer.close()
     destroy_global_state()
+    # megatron-core's MoE tracker of auxiliary losses: what the interrupted iteration had
+    # added would be logged with the replayed one's (and it names the old groups)
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
     destroy_distributed()
 
 
@@ -283,6 +290,30 @@ def evaluations_reported(starts: Callable[[int], None], ends: Callable[[int], No
         return evaluate_and_print_results
 
     return _replace_once(training, "evaluate_and_print_results", reported)
+
+
+def logs_resumed_loops_as_one(resumed: Callable[[], bool]) -> bool:
+    """Megatron-LM's train() logs its first iteration without resetting the loss sums it
+    prints (so the next line averages two iterations), meant for the job's start. Where
+    `resumed()` (a hot-swap's train(), going on after a restored iteration) that first
+    iteration is logged as the uninterrupted loop logs it, so the lines printed after the
+    failure are the failure-free run's. False where Megatron-LM has no such function."""
+    from megatron.training import training
+
+    def as_one_loop(own: Callable) -> Callable:
+        signature = inspect.signature(own)
+        if "is_first_iteration" not in signature.parameters:
+            return own
+
+        def training_log(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            if bound.arguments.get("is_first_iteration") and resumed():
+                bound.arguments["is_first_iteration"] = False
+            return own(*bound.args, **bound.kwargs)
+
+        return training_log
+
+    return _replace_once(training, "training_log", as_one_loop)
 
 
 def evaluate_as_the_loop_does(evaluate: Callable[[], object]) -> None:

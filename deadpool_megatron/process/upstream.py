@@ -131,6 +131,8 @@ class UpstreamSession(ProtectedLoop):
         self._evaluations = EvaluationRecord()
         self._evaluate_again: int | None = None  # the iteration whose evaluation runs again
         self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
+        # this set-up's loop goes on after a restored iteration (not the job's start)
+        self.loop_resumed = False
         self._log_flush = Flusher(upstream.flush_tensorboard)
         upstream.restores_skip_load(self._restoring)
 
@@ -244,7 +246,7 @@ class UpstreamSession(ProtectedLoop):
         if self.metrics is None and dist.get_rank() == dist.get_world_size() - 1:
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
-        self._loop_started = self.counts_carried = False
+        self._loop_started = self.counts_carried = self.loop_resumed = False
         self._evaluate_again = None
         if pending is None:
             loaded = upstream.checkpoint_loaded()
@@ -272,6 +274,8 @@ class UpstreamSession(ProtectedLoop):
             self.recovery.complete(pending.plan, rebuilt)
             if start is None:
                 self._carry_counts(host)
+                # restored to iteration 0, the loop starts as the job's did (without --load)
+                self.loop_resumed = self.position.iteration > 0
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure
             raise
@@ -445,6 +449,7 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     upstream.torch_adam_loads_checkpoints()  # --load, where megatron-core has no Apex or TE
     # a hot-swap's resumed iteration draws what it drew; a survivor keeps its data loaders
     upstream.data_iterators_for_hot_swaps(KeptLoaders(), lambda: _serving().counts_carried)
+    upstream.logs_resumed_loops_as_one(lambda: _serving().loop_resumed)
     upstream.evaluations_reported(lambda i: _serving().evaluation_starts(i),
                                   lambda i: _serving().evaluation_ended(i))  # fmt: skip
 

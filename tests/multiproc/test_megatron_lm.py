@@ -52,6 +52,14 @@ def test_upstream_pretrain_gpt_hot_swaps_a_killed_rank_bitwise(megatron_lm, fail
     assert "Megatron-LM's arguments: as printed at this process's first pretrain()" in output
     assert killed_losses == losses
     assert killed_final["state_digest"] == final["state_digest"]
+    # Megatron-LM's printed lines are the failure-free run's: each shows its iteration's loss
+    # (but the 2nd, which averages the 1st and 2nd: train() does not reset its sums after its
+    # first iteration); the line after the resumed iteration averaged two before
+    printed = re.findall(r"iteration +(\d+)/ +12 \|.*?\| lm loss: ([0-9.E+-]+) \|", output)
+    assert {int(i) for i, _ in printed} == set(range(1, 13)), printed
+    for i, shown in printed:
+        if int(i) != 2:
+            assert shown == f"{float.fromhex(losses[int(i)]):.6E}", (i, shown)
 
 
 PARSER_CHECK = """
@@ -392,13 +400,24 @@ def test_upstream_configurations_users_run_are_hot_swapped_bitwise(
     if name == "distributed_optimizer_instances":
         pytest.importorskip("einops", reason="Megatron-LM's optimizer instances import einops")
     env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    losses, final, _ = run(megatron_lm, tmp_path, f"{name}_free", flags, env=env)
+    losses, final, free_output = run(megatron_lm, tmp_path, f"{name}_free", flags, env=env)
     got, got_final, output = run(
         megatron_lm, tmp_path, f"{name}_swap", [*flags, "--deadpool-inject", kill], env=env
     )
     assert "spare 0 claimed" in output
     assert sorted(losses) == list(range(1, 13))
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+    # and Megatron-LM printed the same lines (losses, MoE's auxiliary one, grad norm, ...)
+    assert printed_lines(output) == printed_lines(free_output)
+
+
+def printed_lines(output: str) -> dict[int, str]:
+    """Megatron-LM's iteration lines by iteration (the last printed), without their time."""
+    lines = {}
+    for line in re.findall(r"\] iteration +\d+/.*", output):
+        iteration = int(re.search(r"iteration +(\d+)/", line).group(1))
+        lines[iteration] = re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|", "", line)
+    return lines
 
 
 def test_upstream_set_up_that_fails_again_the_same_way_ends_the_job_with_its_traceback(
