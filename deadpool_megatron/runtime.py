@@ -103,10 +103,7 @@ def write_preflight(cfg) -> None:
             json.dump(
                 {
                     **dataclasses.asdict(cfg.deadpool),
-                    "tensor_model_parallel_size": cfg.parallel.tensor_model_parallel_size,
-                    "pipeline_model_parallel_size": cfg.parallel.pipeline_model_parallel_size,
-                    "expert_model_parallel_size": cfg.parallel.expert_model_parallel_size,
-                    "expert_tensor_parallel_size": cfg.parallel.expert_tensor_parallel_size,
+                    "parallel": dataclasses.asdict(cfg.parallel),
                     "save": cfg.checkpoint.save,
                     "load": cfg.checkpoint.load,
                     "flags": cfg.flat(),

@@ -74,6 +74,12 @@ class Topology:
         return self.tp if self.etp is None else self.etp
 
     @property
+    def experts_apart(self) -> bool:
+        """Whether expert layers are laid out apart from the rest (some data-parallel peers
+        then hold other experts than this rank's)."""
+        return self.ep > 1 or self.expert_tp != self.tp
+
+    @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
 

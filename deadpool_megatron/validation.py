@@ -251,17 +251,14 @@ def _check_expert_parallel(cfg: JobConfig, dp: int) -> None:
     from .topology import job_topology
 
     p = cfg.parallel
-    if p.expert_model_parallel_size == 1 and p.expert_tensor_parallel_size in (
-        None,
-        p.tensor_model_parallel_size,
-    ):
-        return  # every DP peer holds the same parameters
     try:
         topo = job_topology(cfg_world_size(cfg, dp), p)
     except ConfigError as err:
         raise ConfigError(
             f"--expert-model-parallel-size {p.expert_model_parallel_size}: {err}"
         ) from None
+    if not topo.experts_apart:
+        return  # every DP peer holds the same parameters
     alone = topo.sole_parameter_holders()
     if alone:
         widest = dp * p.tensor_model_parallel_size // (2 * topo.expert_tp)

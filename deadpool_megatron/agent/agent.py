@@ -44,7 +44,7 @@ from ..failure.hang import HangPolicy
 from ..recovery.coordinator import Coordinator
 from ..recovery.placement import SpareNumbering, spare_local_rank
 from ..runtime import ROLE_SPARE, ROLE_WORKER
-from ..topology import Topology
+from ..topology import Topology, job_topology
 from .children import Child, Children, Launch, exit_seen, job_env
 from .decide import Action, Response, refused_its_input, respond, why_it_ends
 from .ending import Ending
@@ -174,9 +174,7 @@ class Agent:
             self.lease.start()
 
     def topology(self) -> Topology:
-        s = self.settings
-        return Topology(self.world_size, s.tp, s.pp, self.args.nproc_per_node, ep=s.ep,
-                        etp=s.etp)  # fmt: skip
+        return job_topology(self.world_size, self.settings.parallel, self.args.nproc_per_node)
 
     # -- watching ---------------------------------------------------------------------------
     def _new_run(self) -> Run:

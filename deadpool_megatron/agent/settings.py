@@ -12,7 +12,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from ..config import DeadpoolConfig
+from ..config import DeadpoolConfig, ParallelConfig
 from ..failure.inject import parse_faults
 from ..runtime import ENV_PREFLIGHT, ENV_PREFLIGHT_OUT, ENV_SPARES
 
@@ -25,10 +25,7 @@ class LaunchSettings:
     shape and checkpoint directories."""
 
     protection: DeadpoolConfig = field(default_factory=DeadpoolConfig)
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     save: str | None = None
     load: str | None = None
     flags: dict | None = None  # every flag of the script as it parsed them; None: not told
@@ -38,10 +35,7 @@ class LaunchSettings:
         names = {f.name for f in dataclasses.fields(DeadpoolConfig)}
         return cls(
             protection=DeadpoolConfig(**{k: v for k, v in d.items() if k in names}),
-            tp=int(d.get("tensor_model_parallel_size", 1)),
-            pp=int(d.get("pipeline_model_parallel_size", 1)),
-            ep=int(d.get("expert_model_parallel_size", 1)),
-            etp=d.get("expert_tensor_parallel_size"),
+            parallel=ParallelConfig(**d.get("parallel", {})),
             save=d.get("save"),
             load=d.get("load"),
             flags=d.get("flags"),

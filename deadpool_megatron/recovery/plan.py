@@ -122,8 +122,7 @@ def _sources(topology, permanent, holdings, replicas, iteration, reasons) -> lis
                  if p in holdings and p in same]  # fmt: skip
         peer = next((p for p in peers if iteration in holdings[p].snapshots), None)
         if peer is None:
-            plain = topology.ep == 1 and topology.expert_tp == topology.tp
-            whose = "TP/PP" if plain else "TP/PP and expert"
+            whose = "TP/PP and expert" if topology.experts_apart else "TP/PP"
             reasons[iteration] = (
                 f"{where}: no live DP peer with the same {whose} coordinates holds its "
                 f"parameters at iteration {iteration} (all of them failed: {same})"
