@@ -15,6 +15,7 @@ shards the shape and K cannot protect that way.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,8 +125,16 @@ class Topology:
 
     def sole_parameter_holders(self) -> list[int]:
         """Ranks whose parameters no other rank holds (expert parallelism as wide as data
-        parallelism): a spare could not be given them."""
-        return [r for r in range(self.world_size) if not self.parameter_peers(r)]
+        parallelism): a spare could not be given them. One pass over the ranks (a job's
+        validation asks it of every rank)."""
+        holders = Counter(self._parameter_key(r) for r in range(self.world_size))
+        return [r for r in range(self.world_size) if holders[self._parameter_key(r)] == 1]
+
+    def _parameter_key(self, rank: int) -> tuple[int, int, int, int]:
+        """What decides a rank's parameters: its pipeline stage, tensor slice, experts' slice
+        and experts (parameter_peers' peers share it)."""
+        c = self.coords(rank)
+        return (c.pp, c.tp, *self.expert_coords(rank))
 
     def node(self, rank: int) -> int:
         self._check(rank)

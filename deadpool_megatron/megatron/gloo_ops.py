@@ -246,9 +246,7 @@ def _group(fn, args: tuple, kwargs: dict):
 
 def _coalescing(group) -> bool:
     """Whether `group` is inside torch's _coalescing_manager on this thread's process."""
-    from torch.distributed.distributed_c10d import _world
-
-    return group is not None and group in _world.pg_coalesce_state
+    return group is not None and group in dist.distributed_c10d._world.pg_coalesce_state
 
 
 @functools.cache

@@ -103,7 +103,7 @@ def test_ring_edges_come_in_rounds_where_no_rank_has_two(world, tp, pp, k):
 @pytest.mark.parametrize(
     "world, tp, pp, ep, etp",
     [(4, 1, 1, 2, None), (8, 1, 2, 2, None), (8, 2, 1, 2, None), (16, 2, 2, 2, 1),
-     (16, 1, 1, 4, None), (8, 2, 1, 1, 1), (16, 2, 1, 2, 4)],
+     (16, 1, 1, 4, None), (8, 2, 1, 1, 1), (16, 2, 1, 2, 4), (8, 1, 2, 4, None)],
 )  # fmt: skip
 def test_expert_coordinates_follow_megatron_core_s_expert_layout(world, tp, pp, ep, etp):
     # megatron-core's own generator of the expert groups (parallel_state.initialize_model_parallel)
@@ -122,6 +122,7 @@ def test_expert_coordinates_follow_megatron_core_s_expert_layout(world, tp, pp, 
         for r in group:
             holders[r] = {p for p in group if p != r and topo.coords(p).tp == topo.coords(r).tp}
     assert {r: set(topo.parameter_peers(r)) for r in range(world)} == holders
+    assert topo.sole_parameter_holders() == [r for r in range(world) if not holders[r]]
 
 
 def test_without_experts_every_dp_peer_holds_the_same_parameters():
