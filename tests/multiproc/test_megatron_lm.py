@@ -341,7 +341,7 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
     pytest.importorskip("tensorboard", reason="W&B scalars are written with TensorBoard's")
     pytest.importorskip("wandb", reason="--wandb-project needs the wandb package")
     runs = tmp_path / "wandb"
-    *_, output = run(megatron_lm, tmp_path, "wandb_swaps",
+    got, got_final, output = run(megatron_lm, tmp_path, "wandb_swaps",
         ["--tensorboard-dir", str(tmp_path / "tb"), "--wandb-project", "deadpool-test",
          "--wandb-exp-name", "hot-swaps", "--wandb-save-dir", str(runs),
          "--deadpool-inject", "kill@1:5,kill@3:9"], spares=2,
@@ -358,7 +358,8 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
         for wandb_file in folder.glob("*.wandb"):
             rows = offline_history(wandb_file)
             logged[folder] = {row["_step"]: row["lm loss"] for row in rows if "lm loss" in row}
-    losses, _ = failure_free
+    losses, final = failure_free
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
     free = {i: float.fromhex(h) for i, h in losses.items()}
     *killed, spare = (logged[f] for f in sorted(logged))  # folders are named by start time
     assert spare == {i: v for i, v in free.items() if i > rolled_to[1]}
