@@ -27,6 +27,7 @@ SPARE_LOST = "spare_lost"
 SPARE_STARTED = "spare_started"  # a fresh spare replenishing the pool
 SPARE_POOL = "spare_pool"  # a node's idle spare count, whenever it changes
 NODE_LOST = "node_lost"  # a node's agent lease lapsed: its ranks and spares are gone
+NODE_JOINED = "node_joined"  # a fresh node joined the running job as a spare node (--join)
 RANK_RELAUNCHED = "rank_relaunched"  # a rank died before it registered: its seat started again
 FAULT_INJECTED = "fault_injected"
 JOB_ENDED = "job_ended"

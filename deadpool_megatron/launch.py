@@ -19,6 +19,7 @@ import stat
 import sys
 
 from .agent.agent import RESTART, Agent
+from .agent.joining import join
 from .agent.mpi_spawn import mpi_unusable
 from .agent.settings import LaunchSettings, preflight
 from .agent.zygote import ENV_FORK_ZYGOTE
@@ -56,10 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Spare nodes beyond --nnodes (default: 0): their agents start "
                         "--nproc-per-node spare processes each, and a lost worker node's ranks "
                         "move onto one of them together. Needs --deadpool.")  # fmt: skip
-    parser.add_argument("--node-rank", type=int, default=_mpirun_rank(),
+    parser.add_argument("--node-rank", type=int, default=None,
                         help="This node's index (default: this launcher's rank under mpirun, "
                         "else 0): 0 to NNODES-1 are worker nodes, NNODES to NNODES+M-1 spare "
                         "nodes.")  # fmt: skip
+    parser.add_argument("--join", action="store_true",
+                        help="Join the running job whose store --master-addr/--master-port "
+                        "(or --deadpool-store etcd and --job-id) name, as one more spare node: "
+                        "a fresh node refilling the spare nodes that lost nodes used up. "
+                        "Give it every flag the job's nodes were given, except --node-rank: it "
+                        "takes the next index past NNODES+M-1. Needs --deadpool and a job of "
+                        "several nodes.")  # fmt: skip
     parser.add_argument("--master-addr", default="127.0.0.1",
                         help="Address of node 0, whose agent hosts the TCPStore (default: "
                         "127.0.0.1).")  # fmt: skip
@@ -124,13 +132,28 @@ def validate_launch_args(a: argparse.Namespace) -> None:
     if a.spare_nodes < 0:
         raise ConfigError(f"--spare-nodes={a.spare_nodes} must be 0 or more")
     nodes = a.nnodes + a.spare_nodes
-    if not 0 <= a.node_rank < nodes:
+    if a.join:
+        if a.node_rank is not None:
+            raise ConfigError(f"--node-rank={a.node_rank} with --join: a joining node takes "
+                              f"the next free index past {nodes - 1} itself (drop --node-rank)")  # fmt: skip
+        if nodes < 2:
+            raise ConfigError(
+                f"--join into a job of {nodes} node (--nnodes {a.nnodes} + --spare-nodes "
+                f"{a.spare_nodes}): only a job launched on several nodes watches nodes' "
+                "leases and has a store other nodes reach (launch it with --spare-nodes 1, say)"
+            )
+        if a.mpi_spawn:
+            raise ConfigError("--join with --mpi-spawn: Open MPI joins processes only inside "
+                              "the mpirun that started the job's launchers")  # fmt: skip
+    elif a.node_rank is None:
+        a.node_rank = _mpirun_rank()
+    if not a.join and not 0 <= a.node_rank < nodes:
         raise ConfigError(
             f"--node-rank={a.node_rank} must lie in [0, {nodes - 1}] "
             f"(--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes})"
         )
     allocated = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
-    if allocated and allocated.isdigit() and nodes > int(allocated):
+    if allocated and allocated.isdigit() and nodes > int(allocated) and not a.join:
         raise ConfigError(
             f"--nnodes {a.nnodes} + --spare-nodes {a.spare_nodes} = {nodes} nodes, but the "
             f"Slurm allocation has {allocated}; ask for fewer or allocate more (sbatch --nodes)"
@@ -181,6 +204,15 @@ def validate_nodes(a: argparse.Namespace, settings: LaunchSettings, check_mpi: b
             f"--spare-nodes {a.spare_nodes} with --restart-policy full: a checkpoint-restart "
             "never uses spares (use --restart-policy hotswap, or drop the spare nodes)"
         )
+    if a.join and check_mpi:
+        raise ConfigError("--join with --deadpool-transport mpi: Open MPI joins processes "
+                          "only inside the mpirun that started the job's launchers")  # fmt: skip
+    if a.join and not settings.protection.deadpool:
+        raise ConfigError("--join without --deadpool: an unprotected job cannot hand a lost "
+                          "node's ranks to a joined node (the job's nodes have --deadpool too)")  # fmt: skip
+    if a.join and a.restart_policy == "full":
+        raise ConfigError("--join with --restart-policy full: a checkpoint-restart never uses "
+                          "spares (use --restart-policy hotswap)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"deadpool-launch: error: {err}", file=sys.stderr)
             return ConfigError.exit_code
+    if args.join:
+        try:
+            args.node_rank, args.job_id = join(args, settings.protection, settings.flags)
+        except (StoreUnreachable, ConfigError, LaunchError) as err:
+            print(f"deadpool-launch: error: {err}", file=sys.stderr)
+            return 1 if isinstance(err, LaunchError) else ConfigError.exit_code
     agent = Agent(args, settings)
     signal.signal(signal.SIGINT, agent.signals.note)
     signal.signal(signal.SIGTERM, agent.signals.note)

@@ -34,6 +34,7 @@ from ..events import (
     FAILURE_DETECTED,
     JOB_ENDED,
     JOB_RESTART,
+    NODE_JOINED,
     STALLED,
     SUSPECTED,
     EventLog,
@@ -72,8 +73,9 @@ class Agent:
         self.args = args
         self.settings = settings
         self.node = args.node_rank
-        self.node_count = args.nnodes + args.spare_nodes
-        self.spare_node = args.node_rank >= args.nnodes  # runs spares only
+        self.node_count = args.nnodes + args.spare_nodes  # launched; more may join later
+        self.spare_node = args.node_rank >= args.nnodes  # runs spares only (a joined node too)
+        self.joined = args.join  # this node joined the running job (`agent/joining.py`)
         self.world_size = args.nnodes * args.nproc_per_node
         self.numbering = SpareNumbering(args.nnodes, args.spare_nodes, args.nproc_per_node,
                                         args.spares)  # fmt: skip
@@ -119,7 +121,7 @@ class Agent:
         self.ctx = JobContext(self.kv, self.job_id)
         if self._outlives_launches():
             claim_launch(self.ctx, self.node, self.node_count)
-        if self.node_count > 1:
+        if self.node_count > 1 and not self.joined:  # a joining node compared its own
             forget = self._ending().forget if self._outlives_launches() else None
             timeout_s = self.settings.protection.deadpool_slow_phase_timeout
             agree_on_launch(self.ctx, self.args, self.settings.flags, self.node_count, timeout_s,
@@ -145,8 +147,13 @@ class Agent:
             local = spare_local_rank(s, a.nproc_per_node, self.spare_node)
             index = self.numbering.index(s, self.node)
             self.children.spawn(ROLE_SPARE, index, local, env, self.extra_args)
+        if self.joined and self.restarts == 0:
+            self.events.emit(NODE_JOINED, node=self.node,
+                             spares=[spare_id(self.numbering.index(s, self.node))
+                                     for s in range(count)])  # fmt: skip
         if self.spare_node:
-            log.info("job %s: spare node %d: %d spare(s) started", self.job_id, self.node, count)
+            log.info("job %s: %s node %d: %d spare(s) started", self.job_id,
+                     "joined" if self.joined else "spare", self.node, count)  # fmt: skip
         else:
             log.info(
                 "job %s: node %d: %d worker(s) (ranks %d-%d of %d) and %d spare(s) started, "
@@ -181,9 +188,9 @@ class Agent:
         p = self.settings.protection
         workers = {c.index: c for c in self.children.all if c.role == ROLE_WORKER}
         spares = [c for c in self.children.all if c.role == ROLE_SPARE]
-        replenisher = Replenisher(p.deadpool and p.deadpool_replenish_spares,
-                                  first_index=self.numbering.first_refill(self.node),
-                                  stride=self.node_count)  # fmt: skip
+        refills = self.numbering.refills(self.node)
+        replenisher = Replenisher(p.deadpool and p.deadpool_replenish_spares, refills.first,
+                                  refills.stride, refills.limit)  # fmt: skip
         pool = SparePool(self.node, spares, replenisher, self._start_spare, self.kv,
                          self.job_id, self.events, self.settings.spare_kills())  # fmt: skip
         monitor = Monitor(
@@ -201,7 +208,7 @@ class Agent:
         lease = self.lease
         renewed = (lambda: lease.renewed) if lease is not None else (lambda: 0)
         own_needed = max(1, int(p.deadpool_node_timeout / p.deadpool_heartbeat_interval) - 1)
-        nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count)),
+        nodes = NodeWatch(self.ctx, self.node, list(range(self.node_count + self._joined())),
                           p.deadpool_node_timeout, renewed, own_needed,
                           startup_timeout_s=p.deadpool_slow_phase_timeout)  # fmt: skip
         return Run(workers, pool, monitor, coordinator, chaos, nodes, up=not p.deadpool)
@@ -310,6 +317,7 @@ class Agent:
             log.error("this node (%d) was counted lost by the job (its lease lapsed); stopping "
                       "its processes, which no longer hold any rank", self.node)  # fmt: skip
             return self._end(f"node {self.node} counted lost")
+        self._watch_joined(run)
         run.nodes_lost(run.nodes.poll(run.up))
         while run.lost_nodes:
             rc = self._node_lost(run.lost_nodes.pop(0), run)
@@ -321,6 +329,19 @@ class Agent:
         if not run.workers and self.ctx.get(keys.job_finished(self.job_id), Flag) is not None:
             return self.finish(run)  # a node without ranks (a spare node) ends with the job
         return None
+
+    def _joined(self) -> int:
+        """How many nodes have joined the running job (`deadpool-launch --join`)."""
+        if self.node_count == 1:
+            return 0  # a one-node job cannot be joined
+        return self.ctx.kv.add(keys.joined_nodes(self.fault_scope), 0)
+
+    def _watch_joined(self, run: Run) -> None:
+        """Watch the nodes that joined the job since the last look: their spares join the
+        pool once their lease lists them, and a lapsed lease is a lost node like any."""
+        for node in range(self.node_count, self.node_count + self._joined()):
+            if run.nodes.watch(node):
+                log.info("node %d joined the job as a spare node", node)
 
     def _act(self, detection: Detection, run: Run) -> int | None:
         c = detection.classification
@@ -472,7 +493,7 @@ class Agent:
         self.children.terminate(signal.SIGTERM)
         if ending.outlives:
             self._stop_lease()  # no renewal may write its key back after the deletion
-        ending.leave(len(run.nodes.lost_nodes()))
+        ending.leave(run.nodes.members(self.node_count))
         self.events.emit(JOB_ENDED, status=0, reason=reason)
         succeeded = sum(c.proc.poll() == 0 for c in run.workers.values())
         log.info("job %s finished: %d worker(s) on node %d succeeded%s", self.job_id, succeeded,

@@ -76,15 +76,16 @@ class Ending:
         decision = self.ctx.get(keys.recovery_plan(job, generation), PlanDecision)
         return decision if decision is not None and decision.unrecoverable else None
 
-    def leave(self, lost_nodes: int) -> None:
+    def leave(self, members: int) -> None:
         """Say goodbye; node 0, whose agent hosts the TCPStore, leaves last (every other agent
         still reads the store until it has seen the job finish). In etcd, the last agent to
         leave deletes the job's keys: nothing else reads them, and a finished job leaves
         nothing behind in a store that serves job after job. In etcd the caller stops its
-        lease before this: no renewal may write its key back after the deletion."""
+        lease before this: no renewal may write its key back after the deletion. `members`:
+        the nodes in the job as this agent sees them (launched or joined, not lost)."""
         kv = self.ctx.kv
         left = kv.add(keys.agents_left(self.ctx.job), 1)
-        expected = self.node_count - lost_nodes
+        expected = members
         if self.outlives:
             if left == expected:
                 self.forget("finished: every agent left")

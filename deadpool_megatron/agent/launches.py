@@ -137,6 +137,14 @@ def compare_launches(
     return len(launches)
 
 
+def node_shape(args: argparse.Namespace) -> dict:
+    """deadpool-launch's flags that every node of a job must be given alike (the script by
+    its file name: it is mounted elsewhere on each node)."""
+    shape = {key: getattr(args, key) for key in LAUNCH_SHAPE}
+    shape["script"] = os.path.basename(shape["script"])
+    return shape
+
+
 def forget_job(kv: KVStore, jobs: list[str]) -> int:
     """Delete the keys and process-group rendezvous of `jobs` (a job and its
     checkpoint-restarts); returns how many keys went."""
@@ -160,9 +168,7 @@ def agree_on_launch(
     iteration, and hang the job. Each agent refuses the same differences (exit 2);
     node 0's then deletes the refused launch's keys with `forget` (etcd's; None: no keys
     outlive the launch)."""
-    shape = {key: getattr(args, key) for key in LAUNCH_SHAPE}
-    shape["script"] = os.path.basename(shape["script"])  # mounted elsewhere on each node
-    mine = NodeLaunch(args.node_rank, socket.gethostname(), shape, flags)
+    mine = NodeLaunch(args.node_rank, socket.gethostname(), node_shape(args), flags)
     try:
         compared = compare_launches(ctx, mine, node_count, timeout_s)
     except ConfigError:

@@ -36,6 +36,26 @@ class LocalNodes:
     logs: list[Path]
     metrics: Path
     killed: dict[int, float] = field(default_factory=dict)  # node -> wall time of the kill
+    agent_command: list[str] = field(default_factory=list)  # every node's, less --node-rank
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+
+    def join(self, extra: list[str] | None = None) -> int:
+        """Start one more agent that joins the running job (`--join`), launched as every
+        node was (`extra`: more script arguments, to launch it unlike them); returns its
+        position in `procs` and `logs`, `joinN.log` (its node index is the job's to give)."""
+        position = len(self.procs)
+        log = self.logs[0].with_name(f"join{position}.log")
+        cmd = [*self.agent_command[:3], "--join", *self.agent_command[3:], *(extra or [])]
+        self.start_agent(cmd, log)
+        return position
+
+    def start_agent(self, cmd: list[str], log: Path) -> None:
+        with open(log, "w") as fh:
+            self.procs.append(subprocess.Popen(cmd, cwd=self.cwd, env=self.env, stdout=fh,
+                                               stderr=subprocess.STDOUT,
+                                               start_new_session=True))  # fmt: skip
+        self.logs.append(log)
 
     def output(self, node: int) -> str:
         return self.logs[node].read_text(errors="replace")
@@ -122,19 +142,16 @@ def start_local_nodes(
     port = free_port()
     metrics = workdir / "metrics.jsonl"
     env = {**os.environ, ENV_JOB_SECRET: os.environ.get(ENV_JOB_SECRET) or new_secret()}
-    procs, logs = [], []
+    command = [
+        sys.executable, "-m", "deadpool_megatron.launch",
+        "--nproc-per-node", str(nproc), "--spares", str(spares),
+        "--nnodes", str(nnodes), "--spare-nodes", str(spare_nodes),
+        "--master-addr", "127.0.0.1", "--master-port", str(port), *launcher, script, *args,
+        "--metrics-jsonl", str(metrics),
+    ]  # fmt: skip
+    nodes = LocalNodes([], [], metrics, agent_command=command, env=env, cwd=cwd)
     for node in range(nnodes + spare_nodes):
-        log = workdir / f"node{node}.log"
-        cmd = [
-            sys.executable, "-m", "deadpool_megatron.launch",
-            "--nproc-per-node", str(nproc), "--spares", str(spares),
-            "--nnodes", str(nnodes), "--spare-nodes", str(spare_nodes),
-            "--node-rank", str(node), "--master-addr", "127.0.0.1",
-            "--master-port", str(port), *launcher, script, *args,
-            "--metrics-jsonl", str(metrics), *(node_args or {}).get(node, []),
-        ]  # fmt: skip
-        with open(log, "w") as fh:
-            procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fh,
-                                          stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-        logs.append(log)
-    return LocalNodes(procs, logs, metrics)
+        cmd = [*command[:3], "--node-rank", str(node), *command[3:],
+               *(node_args or {}).get(node, [])]  # fmt: skip
+        nodes.start_agent(cmd, workdir / f"node{node}.log")
+    return nodes

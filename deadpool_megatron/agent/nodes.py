@@ -224,6 +224,21 @@ class NodeWatch:
             seen.beats, seen.beats_moved_at = beats, now
         return now - seen.beats_moved_at <= timeout_s
 
+    def watch(self, node: int) -> bool:
+        """Watch `node` too (one that joined the running job) from its first lease on; False
+        if it was watched already."""
+        if node == self.me or node in self.nodes:
+            return False
+        self.nodes.append(node)
+        return True
+
+    def members(self, launched: int) -> int:
+        """How many nodes are in the job now: the `launched` ones, every other node whose lease
+        was seen (nodes that joined), this one, less those lost. A node that joined but never
+        renewed its lease is not counted: the job's end does not wait for it."""
+        nodes = set(range(launched)) | set(self._seen) | {self.me}
+        return len(nodes - set(self._lost))
+
     def last(self, node: int) -> AgentBeat | None:
         """The newest lease seen of `node` (its last one, if it is lost)."""
         seen = self._seen.get(node)

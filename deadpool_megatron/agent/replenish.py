@@ -32,6 +32,7 @@ class Replenisher:
     enabled: bool
     first_index: int
     stride: int
+    limit: int | None = None  # no index at or past it (another node's numbers begin there)
     owed: list[int] = field(default_factory=list)  # freed local slots awaiting a spare
     started: int = 0
     failed_starts: int = 0
@@ -58,6 +59,10 @@ class Replenisher:
         """The next spare to start now, if any is owed."""
         if not self.enabled or self.stopped is not None or not self.owed:
             return None
-        start = SpareStart(self.first_index + self.started * self.stride, self.owed.pop(0))
+        index = self.first_index + self.started * self.stride
+        if self.limit is not None and index >= self.limit:
+            self.stop(f"its spares' numbers are used up ({self.started} started since launch)")
+            return None
+        start = SpareStart(index, self.owed.pop(0))
         self.started += 1
         return start

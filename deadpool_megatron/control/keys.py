@@ -181,6 +181,13 @@ def launch_identity(launch: str) -> str:
     return f"{ROOT}/launch/{launch}/job"
 
 
+def joined_nodes(scope: str) -> str:
+    """How many nodes have joined the job started as `scope` since its launch (`deadpool-launch
+    --join`): the next one takes node index `--nnodes + --spare-nodes + count`. A counter the
+    store adds, under the job's first id so that its checkpoint-restarts share it."""
+    return f"{_job(scope)}/joined_nodes"
+
+
 def agent(job: str, node: int) -> str:
     """A node agent's lease (`AgentBeat`): what it hosts, renewed every heartbeat interval."""
     return f"{_job(job)}/agent/{node}"

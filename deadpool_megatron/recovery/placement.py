@@ -107,12 +107,27 @@ def spare_local_rank(slot: int, per_node: int, spare_node: bool) -> int:
     return slot if spare_node else per_node + slot
 
 
+JOINED_BLOCK = 1000  # spare indices per node that joined the running job: node n's from n x 1000
+
+
+@dataclass(frozen=True)
+class SpareRefills:
+    """Where a node's refilling spares are numbered: `first`, then every `stride`, below
+    `limit` (past it the numbers would meet a joined node's)."""
+
+    first: int
+    stride: int
+    limit: int
+
+
 @dataclass(frozen=True)
 class SpareNumbering:
     """Every spare's index, unique across the job: each node numbers its spares in a block of
     its own, as wide as the most spares any node has (a worker node's `spares`, a spare node's
     `per_node`); a spare started later to refill a node's pool takes an index past every
-    block, the nodes taking turns."""
+    block, the nodes taking turns. A node that joined the running job (`deadpool-launch
+    --join`, index `node_count` on) numbers its spares and their refills from node x
+    `JOINED_BLOCK`: nobody knows at launch how many will join."""
 
     nnodes: int  # worker nodes
     spare_nodes: int
@@ -128,10 +143,12 @@ class SpareNumbering:
         return max(self.spares, self.per_node if self.spare_nodes else 0)
 
     def started(self, node: int) -> int:
-        """How many spares `node` is launched with."""
+        """How many spares `node` is launched with (a joined node: as a spare node)."""
         return self.per_node if node >= self.nnodes else self.spares
 
     def index(self, slot: int, node: int) -> int:
+        if node >= self.node_count:
+            return node * JOINED_BLOCK + slot
         return node * self.slots + slot
 
     def launched(self) -> dict[int, int]:
@@ -142,9 +159,13 @@ class SpareNumbering:
             for s in range(self.started(node))
         }
 
-    def first_refill(self, node: int) -> int:
-        """The index of `node`'s first refilling spare (its next: `node_count` on)."""
-        return self.node_count * self.slots + node
+    def refills(self, node: int) -> SpareRefills:
+        """How `node` numbers the spares it starts to refill its pool."""
+        if node >= self.node_count:
+            base = node * JOINED_BLOCK
+            return SpareRefills(base + self.per_node, 1, base + JOINED_BLOCK)
+        first = self.node_count * self.slots + node
+        return SpareRefills(first, self.node_count, self.node_count * JOINED_BLOCK)
 
 
 def spare_slot(local_rank: int, per_node: int) -> int:

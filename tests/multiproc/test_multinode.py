@@ -33,6 +33,9 @@ NODE_OF_RANK = {r: r // NPROC for r in range(6)}
 # Long enough that an etcd election (a few seconds) and the leases' catching up after it
 # end well before training does: the demo's iterations take 0.1-0.15 s at DP6 here.
 LONG = [("120" if a == "14" else a) for a in SHAPE]  # --train-iters 120
+# Long enough that a node joining once the job trains (its agent's preflight, its spares'
+# start: 5-6 s here) is ready well before training ends.
+JOINING = [("240" if a == "14" else a) for a in SHAPE]  # --train-iters 240
 NODE_TIMEOUT_S = 2.0  # --deadpool-node-timeout's default
 
 
@@ -44,6 +47,11 @@ def baseline(tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline_long(tmp_path_factory):
     return run_failure_free(tmp_path_factory, "base_dp6_long", 6, LONG)
+
+
+@pytest.fixture(scope="module")
+def baseline_joining(tmp_path_factory):
+    return run_failure_free(tmp_path_factory, "base_dp6_joining", 6, JOINING)
 
 
 def _named(events, name):
@@ -357,6 +365,53 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
     assert len(_named(events, "recovery_started")) == 1  # the etcd member's loss cost nothing
     _assert_node_swapped(events, 0, {0: "spare-6", 1: "spare-7"})
     assert "no node's loss takes it with it" in nodes.output(0)
+
+
+def test_a_node_that_joins_the_running_job_takes_over_a_lost_node(tmp_path, baseline_joining):
+    # Three worker nodes and no spare node: a lost node would end the job. Once it trains, a
+    # fresh node joins (deadpool-launch --join, the same flags) and becomes node 3, a spare
+    # node; one launched with another --train-iters is refused (status 2). Node 1 is then
+    # lost, and node 3's spares (3000, 3001) take ranks 2 and 3 over.
+    log = tmp_path / "events.jsonl"
+    args = [*JOINING, "--deadpool-event-log", str(log)]
+    nodes = start_nodes(tmp_path, 3, 0, NPROC, args)
+    try:
+        nodes.wait_for_iteration(2, 300)
+        joined_at = nodes.iteration()
+        joined = nodes.join()
+        refused = nodes.join(["--train-iters", "99"])
+        assert nodes.procs[refused].wait(120) == 2, nodes.output(refused)
+        deadline = time.monotonic() + 120
+        while not _joined_and_ready(nodes, joined):
+            assert time.monotonic() < deadline, nodes.all_output()[-6000:]
+            assert all(nodes.procs[n].poll() is None for n in (0, 1, 2, joined)), (
+                nodes.all_output()[-6000:]
+            )
+            time.sleep(0.1)
+        ready_at = nodes.iteration()
+        assert ready_at < 220, f"the job trained on to {ready_at} before the joined node was ready"
+        nodes.kill_node(1)
+        rcs = nodes.wait(400)
+    finally:
+        nodes.stop()
+    assert [rcs[n] for n in (0, 2, joined)] == [0, 0, 0], result(nodes).failure()
+    # node 3 or 4: whichever index was next when it compared (it takes none)
+    assert re.search(r"--train-iters: nodes 0-2: 240; node [34]: 99", nodes.output(refused))
+    job = result(nodes)
+    assert job.losses == baseline_joining.losses and job.digest == baseline_joining.digest
+    events = read_events(str(log))
+    (came,) = _named(events, "node_joined")
+    assert (came["node"], came["spares"]) == (3, ["spare-3000", "spare-3001"])
+    _assert_node_swapped(events, 1, {2: "spare-3000", 3: "spare-3001"})
+    print(f"joined at iteration {joined_at}, its spares ready at {ready_at}")
+
+
+def _joined_and_ready(nodes, joined: int) -> bool:
+    """Node 3's spares are registered and every launched node's agent watches its lease."""
+    spares = nodes.output(joined)
+    if not all(f"spare {s} registered" in spares for s in (3000, 3001)):
+        return False
+    return all("node 3 joined the job as a spare node" in nodes.output(n) for n in (0, 1, 2))
 
 
 def test_checkpoint_restart_is_one_restart_of_every_node(tmp_path, baseline):

@@ -73,17 +73,28 @@ def test_a_checkpoint_restart_ordered_meanwhile_ends_the_wait(kv):
 def test_node_0_hosting_the_store_leaves_after_every_other_agent(kv):
     ctx = JobContext(kv, JOB)
     left: list[float] = []
-    t = threading.Thread(target=lambda: (_ending(ctx, 0).leave(0), left.append(time.time())))
+    t = threading.Thread(target=lambda: (_ending(ctx, 0).leave(2), left.append(time.time())))
     t.start()
     time.sleep(0.3)
     assert not left  # node 1 has not left yet
     other = time.time()
-    _ending(ctx, 1).leave(0)
+    _ending(ctx, 1).leave(2)
     t.join(5)
     assert left and left[0] >= other
-    # a lost node is not waited for
+    # a lost node is not waited for: one member left of two launched
     alone = JobContext(kv, JOB + "-lost")
-    _ending(alone, 0).leave(lost_nodes=1)
+    _ending(alone, 0).leave(members=1)
+    # a node that joined the job is: three members of two launched
+    joined = JobContext(kv, JOB + "-joined")
+    left.clear()
+    t = threading.Thread(target=lambda: (_ending(joined, 0).leave(3), left.append(time.time())))
+    t.start()
+    _ending(joined, 1).leave(3)
+    time.sleep(0.3)
+    assert not left  # the joined node 2 has not left yet
+    _ending(joined, 2).leave(3)
+    t.join(5)
+    assert left
 
 
 class FakeClock:
@@ -104,7 +115,7 @@ def test_the_waits_give_up_at_their_limits_on_the_clock_they_are_given(kv, caplo
         _ending(ctx, 0, clock=clock, sleep=clock.sleep).wait(_workers(0, 1))
     assert FINISH_TIMEOUT_S < clock.t < FINISH_TIMEOUT_S + 1
     clock.t = 0.0
-    _ending(ctx, 0, clock=clock, sleep=clock.sleep).leave(0)  # node 1 never leaves
+    _ending(ctx, 0, clock=clock, sleep=clock.sleep).leave(2)  # node 1 never leaves
     assert AGENTS_LEAVE_S < clock.t < AGENTS_LEAVE_S + 1
     assert "closing the store anyway" in caplog.text
 
@@ -116,9 +127,9 @@ def test_in_etcd_the_last_agent_to_leave_deletes_the_jobs_keys(etcd_url):
         restarted = JobContext(store, keys.restarted_job(JOB, 1))
         ctx.put(keys.job_finished(JOB), Flag("agent"))
         restarted.put(keys.job_finished(restarted.job), Flag("agent"))
-        _ending(ctx, 1, outlives=True, restarts=1).leave(0)
+        _ending(ctx, 1, outlives=True, restarts=1).leave(2)
         assert ctx.get(keys.job_finished(JOB), Flag) is not None  # node 0 is still there
-        _ending(ctx, 0, outlives=True, restarts=1).leave(0)
+        _ending(ctx, 0, outlives=True, restarts=1).leave(2)
         assert ctx.get(keys.job_finished(JOB), Flag) is None
         assert restarted.get(keys.job_finished(restarted.job), Flag) is None
     finally:

@@ -4,6 +4,7 @@ local spare first, then a spare on a node that already runs ranks, spare nodes l
 
 import pytest
 
+from deadpool_megatron.agent.replenish import Replenisher
 from deadpool_megatron.recovery.placement import SpareNumbering, order_spares
 
 # Worker nodes 0, 1, 2 (ranks 2n, 2n+1), one local spare each (spare-0, spare-2, spare-4);
@@ -68,7 +69,43 @@ def test_spares_are_numbered_in_a_block_per_node_and_refills_past_every_block(
 ):
     numbering = SpareNumbering(nnodes, spare_nodes, per_node, spares)
     assert numbering.launched() == launched
-    assert [numbering.first_refill(n) for n in range(nnodes + spare_nodes)] == refill
+    assert [numbering.refills(n).first for n in range(nnodes + spare_nodes)] == refill
     # a node's next refill is node_count further on (Replenisher's stride): never a clash
     firsts = set(refill)
     assert not firsts & set(launched)
+
+
+@pytest.mark.parametrize("nnodes, spare_nodes, per_node, spares", [(1, 0, 4, 1), (2, 1, 4, 1),
+                                                                      (3, 0, 2, 0)])  # fmt: skip
+def test_nodes_that_join_number_their_spares_apart_from_every_launched_nodes(
+    nnodes, spare_nodes, per_node, spares
+):
+    numbering = SpareNumbering(nnodes, spare_nodes, per_node, spares)
+    count = nnodes + spare_nodes
+    joined = range(count, count + 3)
+    taken: dict[int, str] = {}
+
+    def take(index: int, who: str) -> None:
+        assert index not in taken, (index, who, taken.get(index))
+        taken[index] = who
+
+    for index, node in numbering.launched().items():
+        take(index, f"launched on node {node}")
+    for node in joined:  # a joined node starts as a spare node: --nproc-per-node spares
+        assert numbering.started(node) == per_node
+        for slot in range(per_node):
+            take(numbering.index(slot, node), f"joined node {node}")
+    for node in [*range(count), *joined]:  # every refill each node can ever start
+        refills = numbering.refills(node)
+        index = refills.first
+        while index < refills.limit:
+            take(index, f"refill of node {node}")
+            index += refills.stride
+    assert numbering.index(1, count) == count * 1000 + 1  # readable: node 3's spare-3001
+
+
+def test_a_node_whose_refill_numbers_are_used_up_stops_refilling():
+    r = Replenisher(True, first_index=10, stride=5, limit=20)
+    r.lost(0), r.lost(1), r.lost(2)
+    assert [r.next_start().index, r.next_start().index, r.next_start()] == [10, 15, None]
+    assert r.stopped and "used up" in r.stopped
