@@ -17,6 +17,7 @@ from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT
 
 SBATCH = ROOT / "scripts" / "slurm" / "pretrain_gpt.sbatch"
+JOIN_SBATCH = ROOT / "scripts" / "slurm" / "join.sbatch"
 
 
 def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, nodes: int, spare_nodes: int,
@@ -42,6 +43,22 @@ def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, nodes: int, spare
         *(f"{k}={v}" for k, v in full.items() if k != "SLURM_CONF"),
         "sbatch", "--parsable", *sbatch_args, "--constraint=", "--gpus-per-node=0",
         f"--nodes={nodes}", f"--output={tmp_path}/batch.out", str(SBATCH), *args,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def submit_join(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, job: str,
+                nodes: int = 1) -> str:  # fmt: skip
+    """Submit scripts/slurm/join.sbatch on CPU for `nodes` node(s) joining Slurm job `job`
+    (whose run directory is `run_dir`), its batch output in tmp_path/join.out; returns its id.
+    Without the session's zygote, as `submit` without one."""
+    full = dict({k: v for k, v in slurm.env.items() if k != ENV_FORK_ZYGOTE}, DEADPOOL_GPU="0",
+                DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir))  # fmt: skip
+    done = slurm.run(
+        "env", "-u", ENV_FORK_ZYGOTE, *(f"{k}={v}" for k, v in full.items() if k != "SLURM_CONF"),
+        "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", f"--nodes={nodes}",
+        f"--output={tmp_path}/join.out", str(JOIN_SBATCH), job,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]

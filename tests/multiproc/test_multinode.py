@@ -16,7 +16,7 @@ import pytest
 from etcd_server import start_etcd_cluster
 from nodes import result, start_nodes
 from slurm_cluster import start_cluster
-from slurm_jobs import lose_node, node_logs, submit, wait_for_iteration
+from slurm_jobs import lose_node, node_logs, submit, submit_join, wait_for_iteration
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.events import read_events
@@ -100,6 +100,50 @@ def test_sbatch_whole_node_lost_is_hot_swapped_onto_the_spare_node(tmp_path, slu
     assert done["total_s"] > 0
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in victims)
     assert "forked from the zygote" not in logs  # node 1's fork server was among the victims
+
+
+def test_sbatch_a_node_that_joins_the_running_job_takes_over_a_lost_node(
+    tmp_path, slurm, baseline_joining
+):
+    # The Slurm form of the local join test below: a job of 3 worker nodes and no spare node,
+    # then scripts/slurm/join.sbatch JOBID, a job of its own on the cluster's fourth node, whose
+    # agent joins as node 3; node 1 is lost and node 3's spares take ranks 2 and 3 over.
+    run_dir = tmp_path / "run"
+    metrics = tmp_path / "metrics.jsonl"
+    log = tmp_path / "events.jsonl"
+    job = submit(slurm, tmp_path, run_dir, 3, 0, [*JOINING, "--metrics-jsonl", str(metrics),
+                 "--deadpool-event-log", str(log)], zygote=False, nproc=NPROC)  # fmt: skip
+    wait_for_iteration(tmp_path, metrics, 2)
+    assert (run_dir / "join.env").stat().st_mode & 0o077 == 0  # it holds the job's secret
+    joining = submit_join(slurm, tmp_path, run_dir, job)
+    deadline = time.monotonic() + 120
+    while not _sbatch_joined(run_dir, joining):
+        assert time.monotonic() < deadline, node_logs(run_dir)[-6000:]
+        time.sleep(0.1)
+    victims = lose_node(job, 1)
+    state = slurm.wait_job(job, 300)
+    joined_state = slurm.wait_job(joining, 120)
+    out = (tmp_path / "batch.out").read_text() + (tmp_path / "join.out").read_text()
+    logs = node_logs(run_dir) + _join_logs(run_dir)
+    assert (state, joined_state) == ("COMPLETED", "COMPLETED"), out + logs[-6000:]
+    assert f"its node(s) served job {job} until it ended" in out
+    losses, final = read_metrics(str(metrics))
+    assert losses == baseline_joining.losses and final["state_digest"] == baseline_joining.digest
+    events = read_events(str(log))
+    _assert_node_swapped(events, 1, {2: "spare-3000", 3: "spare-3001"})
+    assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in victims)
+
+
+def _join_logs(run_dir) -> str:
+    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("join-*.log")))
+
+
+def _sbatch_joined(run_dir, joining: str) -> bool:
+    """The joined node's spares registered, and every launched node's agent watches it."""
+    joined = _join_logs(run_dir)
+    if not all(f"spare {s} registered" in joined for s in (3000, 3001)):
+        return False
+    return node_logs(run_dir).count("node 3 joined the job as a spare node") == 3
 
 
 def test_sbatch_requeued_at_its_exit_interval_trains_on_with_its_store_in_etcd(
