@@ -28,6 +28,10 @@ never comes here). What it changes, exactly:
    `maybe_move_tensor_to_cpu(t, as_numpy=True)`, wherever it was imported, gives a host
    tensor as numpy too, as it does a GPU one (the alltoall dispatcher's split sizes, which
    torch's all_to_all_single refuses as tensors).
+5. Wherever a module imported torch's `_coalescing_manager` by name (`from torch.distributed
+   import _coalescing_manager`: DDP's bucket groups, for the gradient reduce-scatter and the
+   parameter all-gather), it is `gloo_ops.coalescing_manager`, whose posted work a recovery
+   can interrupt.
 
 Modules megatron-core imports lazily (`_MODULES_TO_LOAD`) are imported first so they get the
 view too; `patch_loaded_modules()` runs again after the model-parallel initialisation.
@@ -266,6 +270,8 @@ def patch_loaded_modules() -> int:
             module._set_cuda_rng_state = _cpu_set_rng_state
         if name.endswith("transformer.moe.moe_utils") and "te_general_gemm" not in vars(module):
             module.te_general_gemm = None  # see item 4 of this module's docstring
+        if vars(module).get("_coalescing_manager") is torch.distributed._coalescing_manager:
+            module._coalescing_manager = gloo_ops.coalescing_manager  # item 5
         move = vars(module).get("maybe_move_tensor_to_cpu")
         if move is not None and not getattr(move, "_deadpool_cpu", False):
             module.maybe_move_tensor_to_cpu = _host_tensor_as_numpy(move)  # item 4

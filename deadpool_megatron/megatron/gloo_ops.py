@@ -259,6 +259,26 @@ def _param_position(fn, name: str) -> int | None:
     return params.index(name) if name in params else None
 
 
+@contextlib.contextmanager
+def coalescing_manager(group=None, device=None, async_ops=False):
+    """torch's `_coalescing_manager`, its coalesced operation waited for as the view's are.
+    Inside it, operations are only recorded (by the view's functions, or by torch's own that
+    megatron-core bound at import: `dist_reduce_scatter_func`, `dist_all_gather_func`); torch
+    posts them as one at its exit and, for a synchronous manager, waits there itself, on the
+    training thread, where no abort reaches: megatron-core's gradient reduce-scatter and
+    parameter all-gather (DDP's bucket groups) waited out gloo's timeout when a peer died
+    mid-message, and the rank left the recovery as blocked. Here the manager is always
+    asynchronous to torch, and its work is waited for on a helper thread."""
+    _check()
+    with dist._coalescing_manager(group, device, async_ops=True) as cm:
+        yield cm
+    on = group if group is not None else dist.group.WORLD
+    cm.works = [AbortableWork(w, False, "coalesced", on) for w in cm.works]
+    if not async_ops:
+        cm.wait()
+        cm.works = []
+
+
 @functools.cache
 def distributed_view() -> types.ModuleType:
     """torch.distributed with interruptible operations (for megatron-core and the loop)."""
@@ -267,6 +287,7 @@ def distributed_view() -> types.ModuleType:
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(view, name, _collective(getattr(dist, name)))
+    view._coalescing_manager = coalescing_manager
     view.isend = _point_to_point(dist.isend)
     view.irecv = _point_to_point(dist.irecv)
     real = {view.isend: dist.isend, view.irecv: dist.irecv}

@@ -4,7 +4,7 @@ loop uses, and is aborted as a recovery would abort it. Prints what happened as 
 the training thread gave up, whether the helper thread that waited on gloo's operation ended,
 whether a replication receive waited for directly ended (and one posted after the abort), what
 each group waits on before and after the abort (a collective is not ended: rank 0 joins it
-late), and whether the group could be destroyed without waiting for its timeout.
+late), likewise a collective coalesced as megatron-core's DDP does it, and whether the group could be destroyed without waiting for its timeout.
 
 usage: abort_p2p_driver.py RANK STORE_FILE
 """
@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _coalescing_manager
 
 from deadpool_megatron.checkpoint.transport import GlooTransport
 from deadpool_megatron.megatron import gloo_ops
@@ -37,8 +38,11 @@ def main(rank: int, store_file: str) -> None:
         dist.new_group([0, 1])  # every rank creates every group
         late = dist.new_group([0, 1], group_desc="LATE")
         dist.new_group([0, 1])
+        coalesced = dist.new_group([0, 1], group_desc="COALESCED")
         store.wait(["checked"], TIMEOUT)  # rank 1 asked what its groups still wait on
         dist.all_reduce(torch.zeros(1), group=late)  # ends rank 1's left-behind collective
+        with _coalescing_manager(coalesced):  # and its coalesced one
+            dist.all_reduce(torch.zeros(1), group=coalesced)
         store.wait(["done"], TIMEOUT)  # posts nothing else: rank 1's operations never complete
         print(json.dumps({"rank": 0}))
         return
@@ -49,6 +53,7 @@ def main(rank: int, store_file: str) -> None:
     late = dist.new_group([0, 1], group_desc="LATE")
     # an edge nothing timed out yet (its connection open): what the thread posts after the abort
     fresh = GlooTransport({0: dist.new_group([0, 1])}, gloo_ops.OpenWork)
+    coalesced_group = dist.new_group([0, 1], group_desc="COALESCED")
     outcome: dict = {}
 
     def waiting() -> dict:
@@ -64,6 +69,17 @@ def main(rank: int, store_file: str) -> None:
 
     collecting = threading.Thread(target=collective)
     collecting.start()
+
+    def coalesced() -> None:  # megatron-core's DDP: torch's own all-reduce, recorded, in the
+        try:  # manager the view puts in its modules, synchronous (posted and waited at exit)
+            with view._coalescing_manager(coalesced_group, async_ops=False):
+                dist.all_reduce(torch.ones(1), group=coalesced_group)
+            outcome["coalesced"] = "returned"
+        except gloo_ops.AbortedByRecovery:
+            outcome["coalesced"] = "aborted"
+
+    coalescing = threading.Thread(target=coalesced)
+    coalescing.start()
 
     def replication(key: str = "replication", on=ring) -> None:  # waits as that thread does
         try:
@@ -91,6 +107,7 @@ def main(rank: int, store_file: str) -> None:
     thread.join(10)
     replicating.join(10)
     collecting.join(10)
+    coalescing.join(10)
     again = threading.Thread(target=replication, args=("late_replication", fresh))
     again.start()  # the replication thread posts once more after the abort: ended at once
     again.join(10)

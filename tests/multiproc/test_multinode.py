@@ -13,7 +13,7 @@ import time
 
 import psutil
 import pytest
-from etcd_server import start_etcd_cluster
+from etcd_server import count_keys, start_etcd_cluster
 from nodes import result, start_nodes
 from slurm_cluster import start_cluster
 from slurm_jobs import lose_node, node_logs, submit, submit_join, wait_for_iteration
@@ -411,14 +411,25 @@ def test_on_etcd_no_node_and_no_etcd_member_is_a_single_point_of_failure(tmp_pat
     assert "no node's loss takes it with it" in nodes.output(0)
 
 
-def test_a_node_that_joins_the_running_job_takes_over_a_lost_node(tmp_path, baseline_joining):
+@pytest.mark.parametrize("store", ["tcp", "etcd"])
+def test_a_node_that_joins_the_running_job_takes_over_a_lost_node(
+    tmp_path, baseline_joining, store, request
+):
     # Three worker nodes and no spare node: a lost node would end the job. Once it trains, a
     # fresh node joins (deadpool-launch --join, the same flags) and becomes node 3, a spare
-    # node; one launched with another --train-iters is refused (status 2). Node 1 is then
-    # lost, and node 3's spares (3000, 3001) take ranks 2 and 3 over.
+    # node; one launched with another --train-iters is refused (status 2). Then a node is
+    # lost, and node 3's spares (3000, 3001) take its ranks over: node 1 with node 0's
+    # TCPStore, node 0 itself with etcd, whose keys the last agent to leave deletes (the
+    # joined node's agent counted among those that leave).
     log = tmp_path / "events.jsonl"
     args = [*JOINING, "--deadpool-event-log", str(log)]
-    nodes = start_nodes(tmp_path, 3, 0, NPROC, args)
+    launcher: tuple[str, ...] = ()
+    if store == "etcd":
+        url = request.getfixturevalue("etcd_url")
+        args += ["--deadpool-store", "etcd", "--deadpool-etcd-endpoints", url]
+        launcher = ("--job-id", f"join-{tmp_path.name}")
+    lost = 0 if store == "etcd" else 1
+    nodes = start_nodes(tmp_path, 3, 0, NPROC, args, launcher=launcher)
     try:
         nodes.wait_for_iteration(2, 300)
         joined_at = nodes.iteration()
@@ -434,19 +445,23 @@ def test_a_node_that_joins_the_running_job_takes_over_a_lost_node(tmp_path, base
             time.sleep(0.1)
         ready_at = nodes.iteration()
         assert ready_at < 220, f"the job trained on to {ready_at} before the joined node was ready"
-        nodes.kill_node(1)
+        nodes.kill_node(lost)
         rcs = nodes.wait(400)
     finally:
         nodes.stop()
-    assert [rcs[n] for n in (0, 2, joined)] == [0, 0, 0], result(nodes).failure()
+    survivors = [n for n in (0, 1, 2, joined) if n != lost]
+    assert [rcs[n] for n in survivors] == [0, 0, 0], result(nodes, survivors[0]).failure()
     # node 3 or 4: whichever index was next when it compared (it takes none)
     assert re.search(r"--train-iters: nodes 0-2: 240; node [34]: 99", nodes.output(refused))
-    job = result(nodes)
+    job = result(nodes, survivors[0])
     assert job.losses == baseline_joining.losses and job.digest == baseline_joining.digest
     events = read_events(str(log))
     (came,) = _named(events, "node_joined")
     assert (came["node"], came["spares"]) == (3, ["spare-3000", "spare-3001"])
-    _assert_node_swapped(events, 1, {2: "spare-3000", 3: "spare-3001"})
+    _assert_node_swapped(events, lost, {2 * lost: "spare-3000", 2 * lost + 1: "spare-3001"})
+    if store == "etcd":
+        for prefix in (keys.job_prefix(launcher[1]), keys.process_groups_prefix(launcher[1])):
+            assert count_keys(url, prefix) == 0, prefix
     print(f"joined at iteration {joined_at}, its spares ready at {ready_at}")
 
 

@@ -29,10 +29,13 @@ from megatron.core.transformer.moe import token_dispatcher
 splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
 kept = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]))
 print("splits", type(splits).__name__, splits.tolist(), type(kept).__name__)
+from megatron.core.distributed import param_and_grad_buffer
+from deadpool_megatron.megatron import gloo_ops
+print("coalescing", param_and_grad_buffer._coalescing_manager is gloo_ops.coalescing_manager)
 """
 
 
-def test_megatron_core_s_moe_router_and_dispatcher_run_without_transformer_engine():
+def test_megatron_core_s_moe_and_ddp_modules_get_what_the_cpu_backend_gives():
     # core_v0.16.1 imports te_general_gemm only with transformer-engine, then reads it in the
     # router's gating (a NameError on CPU): the CPU backend gives the name, None
     import subprocess
@@ -45,3 +48,6 @@ def test_megatron_core_s_moe_router_and_dispatcher_run_without_transformer_engin
     # the alltoall dispatcher's split sizes as numpy, as from a GPU (torch's all_to_all_single
     # refuses tensors there)
     assert "splits ndarray [3, 5] Tensor" in done.stdout
+    # DDP's bucket groups post their gradient reduce-scatter and parameter all-gather through
+    # a coalescing manager whose wait a recovery can interrupt (tests/multiproc/test_gloo_abort)
+    assert "coalescing True" in done.stdout
