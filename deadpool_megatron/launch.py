@@ -143,8 +143,7 @@ def validate_launch_args(a: argparse.Namespace) -> None:
                 "leases and has a store other nodes reach (launch it with --spare-nodes 1, say)"
             )
         if a.mpi_spawn:
-            raise ConfigError("--join with --mpi-spawn: Open MPI joins processes only inside "
-                              "the mpirun that started the job's launchers")  # fmt: skip
+            raise _no_join_over_mpi("--mpi-spawn")
     elif a.node_rank is None:
         a.node_rank = _mpirun_rank()
     if not a.join and not 0 <= a.node_rank < nodes:
@@ -188,10 +187,17 @@ def validate_launch_args(a: argparse.Namespace) -> None:
         )
 
 
+def _no_join_over_mpi(cause: str) -> ConfigError:
+    return ConfigError(f"--join with {cause}: Open MPI joins processes only inside the mpirun "
+                       "that started the job's launchers")  # fmt: skip
+
+
 def validate_nodes(a: argparse.Namespace, settings: LaunchSettings, check_mpi: bool) -> None:
     """What only the script's flags tell: spare capacity the job could never use, and MPI's
     spawn where --deadpool-transport mpi implies it (`check_mpi`; an explicit --mpi-spawn was
     checked with the launcher's own flags)."""
+    if a.join and check_mpi:  # before MPI's own check: no MPI set-up would make it work
+        raise _no_join_over_mpi("--deadpool-transport mpi")
     if check_mpi and (reason := mpi_unusable()) is not None:
         raise ConfigError(reason)
     if a.spare_nodes and not settings.protection.deadpool:
@@ -204,9 +210,6 @@ def validate_nodes(a: argparse.Namespace, settings: LaunchSettings, check_mpi: b
             f"--spare-nodes {a.spare_nodes} with --restart-policy full: a checkpoint-restart "
             "never uses spares (use --restart-policy hotswap, or drop the spare nodes)"
         )
-    if a.join and check_mpi:
-        raise ConfigError("--join with --deadpool-transport mpi: Open MPI joins processes "
-                          "only inside the mpirun that started the job's launchers")  # fmt: skip
     if a.join and not settings.protection.deadpool:
         raise ConfigError("--join without --deadpool: an unprotected job cannot hand a lost "
                           "node's ranks to a joined node (the job's nodes have --deadpool too)")  # fmt: skip

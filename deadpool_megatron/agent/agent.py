@@ -143,14 +143,12 @@ class Agent:
                 rank = self.node * a.nproc_per_node + local
                 self._start_seat(rank, local)
         count = self.numbering.started(self.node)
-        for s in range(count):
+        indices = [self.numbering.index(s, self.node) for s in range(count)]
+        for s, index in enumerate(indices):
             local = spare_local_rank(s, a.nproc_per_node, self.spare_node)
-            index = self.numbering.index(s, self.node)
             self.children.spawn(ROLE_SPARE, index, local, env, self.extra_args)
         if self.joined and self.restarts == 0:
-            self.events.emit(NODE_JOINED, node=self.node,
-                             spares=[spare_id(self.numbering.index(s, self.node))
-                                     for s in range(count)])  # fmt: skip
+            self.events.emit(NODE_JOINED, node=self.node, spares=[spare_id(i) for i in indices])
         if self.spare_node:
             log.info("job %s: %s node %d: %d spare(s) started", self.job_id,
                      "joined" if self.joined else "spare", self.node, count)  # fmt: skip

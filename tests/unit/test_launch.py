@@ -49,8 +49,19 @@ def test_bad_job_flags_are_reported_once_and_no_process_starts():
             ["--nproc-per-node", "2", "--fork-zygote", str(ROOT / "README.md")],
             f"--fork-zygote={ROOT / 'README.md'} is not a socket",
         ),
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--join", "--node-rank", "1",
+             "--master-port", "1"],
+            "--node-rank=1 with --join: a joining node takes the next free index past 1",
+        ),
+        (["--nproc-per-node", "2", "--join"], "--join into a job of 1 node"),
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--join", "--mpi-spawn",
+             "--master-port", "1"],
+            "--join with --mpi-spawn: Open MPI joins processes only inside the mpirun",
+        ),
     ],
-)
+)  # fmt: skip
 def test_bad_launcher_flags_exit_2(flags, message):
     done = subprocess.run(
         [sys.executable, "-m", "deadpool_megatron.launch", *flags, str(ROOT / "pretrain_gpt.py")],
@@ -68,10 +79,16 @@ def test_bad_launcher_flags_exit_2(flags, message):
         (["--spare-nodes", "1", "--restart-policy", "full"], ["--deadpool"],
          "--spare-nodes 1 with --restart-policy full"),
         ([], ["--pipeline-model-parallel-size", "4"], "world size 6 is not divisible by"),
+        (["--join"], [], "--join without --deadpool"),
+        (["--join", "--restart-policy", "full"], ["--deadpool"],
+         "--join with --restart-policy full"),
+        (["--join"], ["--deadpool", "--deadpool-transport", "mpi"],
+         "--join with --deadpool-transport mpi"),
     ],
 )  # fmt: skip
 def test_bad_multi_node_jobs_exit_2_before_any_process_starts(flags, args, message):
-    nodes = ["--nnodes", "3", "--node-rank", "0", "--master-port", "1", *flags]
+    rank = [] if "--join" in flags else ["--node-rank", "0"]
+    nodes = ["--nnodes", "3", *rank, "--master-port", "1", *flags]
     shape = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
              "--global-batch-size", "12"]  # fmt: skip
     done = _launch(["--config", "configs/demo.yaml", *shape, *args], nproc=2, launcher=nodes,
