@@ -28,10 +28,12 @@ never comes here). What it changes, exactly:
    `maybe_move_tensor_to_cpu(t, as_numpy=True)`, wherever it was imported, gives a host
    tensor as numpy too, as it does a GPU one (the alltoall dispatcher's split sizes, which
    torch's all_to_all_single refuses as tensors).
-5. Wherever a module imported torch's `_coalescing_manager` by name (`from torch.distributed
-   import _coalescing_manager`: DDP's bucket groups, for the gradient reduce-scatter and the
-   parameter all-gather), it is `gloo_ops.coalescing_manager`, whose posted work a recovery
-   can interrupt.
+5. Wherever a module bound one of torch.distributed's collectives or its `_coalescing_manager`
+   to a name of its own at import (`dist_all_gather_func = torch.distributed.
+   all_gather_into_tensor`, `from torch.distributed import _coalescing_manager`: DDP's bucket
+   groups, tensor-parallel mappings, the timers Megatron-LM logs), before any view existed,
+   that name becomes the view's operation (`gloo_ops.coalescing_manager` for the manager),
+   which a recovery can interrupt.
 
 Modules megatron-core imports lazily (`_MODULES_TO_LOAD`) are imported first so they get the
 view too; `patch_loaded_modules()` runs again after the model-parallel initialisation.
@@ -252,6 +254,16 @@ def _no_fused_kernels(args) -> None:
     pass
 
 
+@functools.cache
+def _bound_operations() -> dict[int, tuple]:
+    """id(torch's operation) -> (it, the interruptible view's), for item 5."""
+    view = gloo_ops.distributed_view()
+    names = [n for n in (*gloo_ops.COLLECTIVES, "_coalescing_manager")
+             if hasattr(torch.distributed, n)]  # fmt: skip
+    return {id(getattr(torch.distributed, n)): (getattr(torch.distributed, n), getattr(view, n))
+            for n in names}  # fmt: skip
+
+
 def patch_loaded_modules() -> int:
     """Give every loaded megatron.core module the CPU view of torch. Idempotent."""
     if not _ACTIVE:
@@ -270,8 +282,10 @@ def patch_loaded_modules() -> int:
             module._set_cuda_rng_state = _cpu_set_rng_state
         if name.endswith("transformer.moe.moe_utils") and "te_general_gemm" not in vars(module):
             module.te_general_gemm = None  # see item 4 of this module's docstring
-        if vars(module).get("_coalescing_manager") is torch.distributed._coalescing_manager:
-            module._coalescing_manager = gloo_ops.coalescing_manager  # item 5
+        for key, value in list(vars(module).items()):  # item 5
+            swap = _bound_operations().get(id(value))
+            if swap is not None and swap[0] is value:
+                setattr(module, key, swap[1])
         move = vars(module).get("maybe_move_tensor_to_cpu")
         if move is not None and not getattr(move, "_deadpool_cpu", False):
             module.maybe_move_tensor_to_cpu = _host_tensor_as_numpy(move)  # item 4

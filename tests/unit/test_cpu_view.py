@@ -29,9 +29,16 @@ from megatron.core.transformer.moe import token_dispatcher
 splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]), as_numpy=True)
 kept = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 5]))
 print("splits", type(splits).__name__, splits.tolist(), type(kept).__name__)
-from megatron.core.distributed import param_and_grad_buffer
+from megatron.core.distributed import param_and_grad_buffer as ddp
+from megatron.core import timers
+from megatron.core.tensor_parallel import mappings
 from deadpool_megatron.megatron import gloo_ops
-print("coalescing", param_and_grad_buffer._coalescing_manager is gloo_ops.coalescing_manager)
+view = gloo_ops.distributed_view()
+print("coalescing", ddp._coalescing_manager is gloo_ops.coalescing_manager,
+      ddp.dist_reduce_scatter_func is view.reduce_scatter_tensor,
+      ddp.dist_all_gather_func is view.all_gather_into_tensor,
+      mappings.dist_reduce_scatter_func is view.reduce_scatter_tensor,
+      timers.dist_all_gather_func is view.all_gather_into_tensor)
 """
 
 
@@ -49,5 +56,6 @@ def test_megatron_core_s_moe_and_ddp_modules_get_what_the_cpu_backend_gives():
     # refuses tensors there)
     assert "splits ndarray [3, 5] Tensor" in done.stdout
     # DDP's bucket groups post their gradient reduce-scatter and parameter all-gather through
-    # a coalescing manager whose wait a recovery can interrupt (tests/multiproc/test_gloo_abort)
-    assert "coalescing True" in done.stdout
+    # a coalescing manager whose wait a recovery can interrupt (tests/multiproc/test_gloo_abort),
+    # and every collective a module bound at import is the interruptible view's
+    assert "coalescing True True True True True" in done.stdout
