@@ -98,12 +98,20 @@ def launch_differences(launches: Mapping[int, Mapping[str, Any]]) -> list[str]:
     return lines
 
 
-def refuse_unlike_launches(launches: Mapping[int, Mapping[str, Any]]) -> None:
-    """Raise ConfigError naming every difference between the nodes' launches."""
+def refuse_unlike_launches(
+    launches: Mapping[int, Mapping[str, Any]], joining: int | None = None
+) -> None:
+    """Raise ConfigError naming every difference between the nodes' launches (`joining`: the
+    node among them that would join the running job, compared with the launched ones)."""
     lines = launch_differences(launches)
-    if lines:
-        raise ConfigError(
-            f"the job's {len(launches)} nodes were launched with different settings; give "
-            "every node the same deadpool-launch and training flags (the training flags as each "
-            "node's script parsed them, defaults included):\n  " + "\n  ".join(lines)
-        )
+    if not lines:
+        return
+    if joining is None:
+        what = f"the job's {len(launches)} nodes were launched with different settings"
+    else:
+        what = (f"node {joining}, joining the job, was launched unlike its "
+                f"{len(launches) - 1} launched node(s)")  # fmt: skip
+    raise ConfigError(
+        f"{what}; give every node the same deadpool-launch and training flags (the training "
+        "flags as each node's script parsed them, defaults included):\n  " + "\n  ".join(lines)
+    )

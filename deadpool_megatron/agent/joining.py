@@ -61,7 +61,7 @@ def claim_node(ctx: JobContext, mine: NodeLaunch, launched: int, timeout_s: floa
         raise LaunchError(f"job {scope!r} is ending (its training finished): nothing to join")
     provisional = launched + ctx.kv.add(keys.joined_nodes(scope), 0)
     compared = {n: launch.as_compared() for n, launch in theirs.items()}
-    refuse_unlike_launches({**compared, provisional: mine.as_compared()})
+    refuse_unlike_launches({**compared, provisional: mine.as_compared()}, joining=provisional)
     node = launched + ctx.kv.add(keys.joined_nodes(scope), 1) - 1
     ctx.put(keys.node_launch(scope, node), NodeLaunch(node, mine.host, mine.shape, mine.flags))
     return node

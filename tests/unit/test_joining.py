@@ -42,7 +42,8 @@ def test_joining_nodes_take_the_indices_past_the_launched_ones_in_turn(kv):
 def test_a_node_launched_unlike_the_job_is_refused_and_takes_no_index(kv):
     ctx = JobContext(kv, JOB)
     _launched(ctx)
-    with pytest.raises(ConfigError, match=r"train-iters: nodes 0-2: 20; node 3: 40"):
+    with pytest.raises(ConfigError, match=r"(?s)node 3, joining the job, was launched unlike "
+                       r"its 3 launched node.*train-iters: nodes 0-2: 20; node 3: 40"):  # fmt: skip
         claim_node(ctx, _joining(flags={**FLAGS, "train_iters": 40}), 3, timeout_s=1.0)
     with pytest.raises(ConfigError, match=r"--nproc-per-node: nodes 0-2: 2; node 3: 4"):
         claim_node(ctx, _joining(shape={**SHAPE, "nproc_per_node": 4}), 3, timeout_s=1.0)
