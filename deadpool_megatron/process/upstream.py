@@ -133,6 +133,9 @@ class UpstreamSession(ProtectedLoop):
         self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
         # this set-up's loop goes on after a restored iteration (not the job's start)
         self.loop_resumed = False
+        # the iteration the job's training began at (0, or what --load brought): a claimed
+        # spare learns it from the others, as its counts
+        self._began: int | None = None
         self._log_flush = Flusher(upstream.flush_tensorboard)
         upstream.restores_skip_load(self._restoring)
 
@@ -253,7 +256,8 @@ class UpstreamSession(ProtectedLoop):
             if loaded is not None and self.env.rank == 0:  # a restart, or a job resumed
                 self.guard.events.emit(CHECKPOINT_LOADED, iteration=loaded[0], load_s=loaded[1])
             self.inject(0, "setup")  # ACTION@R:0:setup, here after Megatron-LM's --load
-            self.start(state, get_args().iteration)  # generation 0, from what Megatron-LM loaded
+            self._began = get_args().iteration
+            self.start(state, self._began)  # generation 0, from what Megatron-LM loaded
             return
         phases = {  # the model's share: Megatron-LM's set-up run again, groups included
             "rebuild_communicators": pending.reset_s,
@@ -265,7 +269,7 @@ class UpstreamSession(ProtectedLoop):
             phases["rebuild_communicators"] += time.perf_counter() - t
             start = None
             if pending.plan.from_start:  # pretrain() set everything up again, --load included
-                start = get_args().iteration
+                start = self._began = get_args().iteration
             else:
                 materialize_optimizer_state(optimizer)  # the restore overwrites it entirely
             self.recovery.inject_recovery_fault()
@@ -274,8 +278,9 @@ class UpstreamSession(ProtectedLoop):
             self.recovery.complete(pending.plan, rebuilt)
             if start is None:
                 self._carry_counts(host)
-                # restored to iteration 0, the loop starts as the job's did (without --load)
-                self.loop_resumed = self.position.iteration > 0
+                # restored to where the job's training began (0, or the iteration --load
+                # brought), the loop starts as the job's did
+                self.loop_resumed = self.position.iteration > self._began
         except Exception:
             self.pending = pending  # still this attempt's: a failed attempt, not a new failure
             raise
@@ -287,23 +292,25 @@ class UpstreamSession(ProtectedLoop):
         the loop to go on from (float64: the operations are one already, the samples are
         far below 2**53); and which of them had not finished the evaluation after that
         iteration, which may then run again (upstream_loop.evaluate_again), its samples not
-        yet consumed."""
+        yet consumed; and the iteration the job's training began at."""
         iteration, counts = self.position.iteration, self._counts
-        # operations, samples, samples per evaluation, cut short; the last rank's: kept, cut
-        mine = [-1.0, -1.0, -1.0, 0.0, 0.0, 0.0]
+        # operations, samples, samples per evaluation, cut short; the last rank's: kept, cut;
+        # where the job's training began
+        mine = [-1.0, -1.0, -1.0, 0.0, 0.0, 0.0, -1.0 if self._began is None else self._began]
         if counts is not None:
             cut = float(self._evaluations.cut_short(iteration))
             last = float(dist.get_rank() == dist.get_world_size() - 1)
-            mine = [*counts.at(iteration), float(counts.valid_per_evaluation), cut, last,
-                    last * cut]  # fmt: skip
+            mine[:6] = [*counts.at(iteration), float(counts.valid_per_evaluation), cut, last,
+                        last * cut]  # fmt: skip
         carried = torch.tensor(mine, dtype=torch.float64)
         dist.all_reduce(carried, op=dist.ReduceOp.MAX, group=host)
-        flops, valid, per_evaluation, *cut = carried.tolist()
+        flops, valid, per_evaluation, *cut, began = carried.tolist()
         valid_samples = max(int(valid), 0)
         if evaluate_again(*(bool(c) for c in cut)):
             valid_samples = self._evaluate_after(iteration, valid_samples, int(per_evaluation))
         upstream.set_counts(max(flops, 0.0), valid_samples)
         self.counts_carried = True
+        self._began = max(int(began), 0)
 
     def _evaluate_after(self, iteration: int, valid_samples: int, per_evaluation: int) -> int:
         """The evaluation after `iteration` was cut short: it runs again before the loop

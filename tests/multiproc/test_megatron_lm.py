@@ -412,6 +412,31 @@ def test_upstream_configurations_users_run_are_hot_swapped_bitwise(
     assert printed_lines(output) == printed_lines(free_output)
 
 
+def test_upstream_hot_swap_back_to_the_loaded_iteration_prints_what_the_resumed_run_prints(
+    megatron_lm, tmp_path
+):
+    # A job resumed with --load from iteration 4 (a first launch stopped at --exit-interval 4
+    # and saved it), rank 1 killed in iteration 5: the roll-back goes to 4, where this
+    # launch's training began, and Megatron-LM's loop is run again from there. It logs its
+    # first iteration as the job's start (its line for 6 averages 5 and 6); the resumed loop
+    # logged it as a continuation, since the roll-back was past iteration 0 (line 6: 6 alone).
+    ckpt = tmp_path / "ckpt"
+    run(megatron_lm, tmp_path, "first", ["--exit-interval", "4", "--save", str(ckpt),
+                                         "--save-interval", "4"])  # fmt: skip
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    losses, final, free_output = run(megatron_lm, tmp_path, "resumed_free", ["--load", str(ckpt)])
+    got, got_final, output = run(
+        megatron_lm,
+        tmp_path,
+        "resumed_swap",
+        ["--load", str(ckpt), "--deadpool-inject", "kill@1:5"],
+    )
+    assert "spare 0 claimed" in output and "roll back to iteration 4" in output
+    assert sorted(losses) == list(range(5, 13))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+    assert printed_lines(output) == printed_lines(free_output)
+
+
 def printed_lines(output: str) -> dict[int, str]:
     """Megatron-LM's iteration lines by iteration (the last printed), without their time."""
     lines = {}
