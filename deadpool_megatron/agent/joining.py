@@ -24,7 +24,7 @@ from ..control.messages import Flag, NodeLaunch, RestartOrder
 from ..control.store import StoreTimeout
 from ..control.wait import wait_until
 from ..errors import LaunchError
-from .launches import agree_job_id, node_shape, open_store
+from .launches import agree_job_id, node_shape, open_store, recorded_launches
 
 log = logging.getLogger("deadpool.launch")
 
@@ -45,7 +45,7 @@ def claim_node(ctx: JobContext, mine: NodeLaunch, launched: int, timeout_s: floa
     job = current_start(ctx)
 
     def read() -> dict[int, NodeLaunch]:
-        found = {n: ctx.get(keys.node_launch(scope, n), NodeLaunch) for n in range(launched)}
+        found = recorded_launches(ctx, launched)
         return {n: launch for n, launch in found.items() if launch is not None}
 
     try:

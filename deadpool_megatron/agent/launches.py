@@ -92,6 +92,12 @@ def claim_launch(ctx: JobContext, node: int, node_count: int) -> None:
     )
 
 
+def recorded_launches(ctx: JobContext, node_count: int) -> dict[int, NodeLaunch | None]:
+    """What each of the job's launched nodes recorded it was launched with (None: nothing
+    yet)."""
+    return {n: ctx.get(keys.node_launch(ctx.job, n), NodeLaunch) for n in range(node_count)}
+
+
 def compare_launches(
     ctx: JobContext,
     mine: NodeLaunch,
@@ -105,10 +111,9 @@ def compare_launches(
     Returns how many nodes were compared; raises ConfigError naming every difference (the
     same on every agent), LaunchError naming the nodes that did not start."""
     ctx.put(keys.node_launch(ctx.job, mine.node), mine)
-    nodes = range(node_count)
 
     def read() -> dict[int, NodeLaunch | None]:
-        return {n: ctx.get(keys.node_launch(ctx.job, n), NodeLaunch) for n in nodes}
+        return recorded_launches(ctx, node_count)
 
     def poll() -> dict[int, NodeLaunch] | None:
         got = read()
