@@ -75,11 +75,12 @@ def patched_checkout(tmp_path_factory) -> Path:
 def launch(
     checkout: Path, tmp_path: Path, name: str, extra: list[str], spares: int = 1,
     model: list[str] = MODEL, env: dict[str, str] | None = None, prefix: tuple[str, ...] = (),
+    nproc: int = 4,
 ) -> tuple[int, str]:  # fmt: skip
     """deadpool-launch runs the job (output under tmp_path/NAME.log): exit status, output.
     `prefix`: what starts the launcher (mpirun ...)."""
     cmd = [
-        *prefix, sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", "4",
+        *prefix, sys.executable, "-m", "deadpool_megatron.launch", "--nproc-per-node", str(nproc),
         "--spares", str(spares), "pretrain_gpt.py", *model,
         "--deadpool-metrics-jsonl", str(tmp_path / f"{name}.jsonl"), *extra,
     ]  # fmt: skip

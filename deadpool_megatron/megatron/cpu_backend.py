@@ -34,6 +34,12 @@ never comes here). What it changes, exactly:
    groups, tensor-parallel mappings, the timers Megatron-LM logs), before any view existed,
    that name becomes the view's operation (`gloo_ops.coalescing_manager` for the manager),
    which a recovery can interrupt.
+6. Sequence parallelism: `WrappedTorchNorm` (the local layer specs' norm where apex and
+   transformer-engine are missing) refuses `sequence_parallel`; here it builds its torch norm
+   and marks the norm's parameters `sequence_parallel`, as apex's and transformer-engine's
+   norms do on a GPU, so that megatron-core all-reduces their gradients across the
+   tensor-parallel group (a norm is per token: on a sequence shard it computes what it
+   computes on the whole sequence).
 
 Modules megatron-core imports lazily (`_MODULES_TO_LOAD`) are imported first so they get the
 view too; `patch_loaded_modules()` runs again after the model-parallel initialisation.
@@ -42,6 +48,7 @@ view too; `patch_loaded_modules()` runs again after the model-parallel initialis
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import logging
@@ -292,6 +299,31 @@ def patch_loaded_modules() -> int:
     return patched
 
 
+def _sequence_parallel_norms() -> None:
+    """Item 6: WrappedTorchNorm under sequence parallelism, as a GPU's norms behave."""
+    try:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    except ImportError:  # moved or removed in another megatron-core release
+        return
+    build = WrappedTorchNorm.__new__
+    if getattr(build, "_deadpool_cpu", False):
+        return
+
+    @functools.wraps(build)
+    def sequence_parallel_norm(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)  # a shallow copy: TransformerConfig's checks do not run again
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    sequence_parallel_norm._deadpool_cpu = True
+    WrappedTorchNorm.__new__ = staticmethod(sequence_parallel_norm)
+
+
 def _host_tensor_as_numpy(move):
     """megatron-core's maybe_move_tensor_to_cpu, for a tensor already in host memory: as the
     numpy array it gives for a GPU tensor when asked."""
@@ -331,6 +363,7 @@ def activate() -> None:
     _TRAINING_VIEW = _build_torch_view(claim_available=True)
     _ACTIVE = True
     _patch_tensor_methods()
+    _sequence_parallel_norms()
     count = patch_loaded_modules()
     log.debug("CPU backend active: %d megatron-core modules routed to the CPU", count)
 

@@ -367,12 +367,17 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
     assert all(free[i] == v for run in killed for i, v in run.items()), killed
 
 
+NPROC = {"moe_expert_tensor_parallel_1": 8}  # the other configurations: 4 ranks
+
+
 @pytest.mark.parametrize(
     "name, flags, kill",
     [
-        # what a GPU job runs, on CPU: bf16, tensor parallel, the overlapped all-reduce and
-        # all-gather, SwiGLU, RMSNorm, rotary embeddings, untied output weights (TP2 x DP2)
-        ("gpu_style", [*TP2, "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+        # what a GPU job runs, on CPU: bf16, tensor and sequence parallel, the overlapped
+        # all-reduce and all-gather, SwiGLU, RMSNorm, rotary embeddings, untied output
+        # weights (TP2 x DP2)
+        ("gpu_style", [*TP2, "--sequence-parallel", "--bf16", "--overlap-grad-reduce",
+                       "--overlap-param-gather",
                        "--swiglu", "--untie-embeddings-and-output-weights", "--normalization",
                        "RMSNorm", "--position-embedding-type", "rope"], "kill@3:8"),
         # two virtual stages per pipeline stage (interleaved schedule) with full activation
@@ -389,6 +394,17 @@ def test_upstream_w_and_b_keeps_one_run_across_hot_swaps_of_its_last_rank(
                                  "2", "--moe-token-dispatcher-type", "alltoall",
                                  "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"],
          "kill@1:5"),
+        # experts without tensor parallelism in a tensor-parallel job (8 ranks, TP2 x DP4,
+        # EP4 x ETP1: each expert whole on one rank, the dense layers split across pairs),
+        # the layout most mixtures of experts with tensor parallelism use, with sequence
+        # parallelism (megatron-core refuses MoE with TP without it): rank 1's dense shard is
+        # also on ranks 3, 5 and 7, its experts (2-3 of 8) only on rank 5
+        ("moe_expert_tensor_parallel_1", [*TP2, "--sequence-parallel", "--num-experts", "8",
+                                          "--expert-model-parallel-size", "4",
+                                          "--expert-tensor-parallel-size", "1",
+                                          "--moe-token-dispatcher-type", "alltoall",
+                                          "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"],
+         "kill@1:5"),
         # the optimizer sharded within two instances of DP2 each, the grads all-reduced across
         # them in torch's coalescing manager (DP4; needs einops)
         ("distributed_optimizer_instances", [*DP4, "--num-distributed-optimizer-instances",
@@ -400,10 +416,10 @@ def test_upstream_configurations_users_run_are_hot_swapped_bitwise(
 ):
     if name == "distributed_optimizer_instances":
         pytest.importorskip("einops", reason="Megatron-LM's optimizer instances import einops")
-    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    losses, final, free_output = run(megatron_lm, tmp_path, f"{name}_free", flags, env=env)
+    how = {"env": {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "nproc": NPROC.get(name, 4)}
+    losses, final, free_output = run(megatron_lm, tmp_path, f"{name}_free", flags, **how)
     got, got_final, output = run(
-        megatron_lm, tmp_path, f"{name}_swap", [*flags, "--deadpool-inject", kill], env=env
+        megatron_lm, tmp_path, f"{name}_swap", [*flags, "--deadpool-inject", kill], **how
     )
     assert "spare 0 claimed" in output
     assert sorted(losses) == list(range(1, 13))

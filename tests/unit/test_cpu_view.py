@@ -59,3 +59,33 @@ def test_megatron_core_s_moe_and_ddp_modules_get_what_the_cpu_backend_gives():
     # a coalescing manager whose wait a recovery can interrupt (tests/multiproc/test_gloo_abort),
     # and every collective a module bound at import is the interruptible view's
     assert "coalescing True True True True True" in done.stdout
+
+
+SEQUENCE_PARALLEL_NORM = """
+import torch
+from deadpool_megatron.megatron import cpu_backend
+cpu_backend.activate()
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_config import TransformerConfig
+common = dict(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm")
+sp = TransformerConfig(tensor_model_parallel_size=2, sequence_parallel=True, **common)
+plain = TransformerConfig(**common)
+norm, other = WrappedTorchNorm(sp, 8), WrappedTorchNorm(plain, 8)
+print("norm", type(norm).__name__, sp.sequence_parallel,
+      [getattr(p, "sequence_parallel", None) for p in norm.parameters()],
+      [getattr(p, "sequence_parallel", None) for p in other.parameters()])
+"""
+
+
+def test_torch_norms_under_sequence_parallelism_are_marked_as_a_gpu_s_norms():
+    # core's WrappedTorchNorm asserts without sequence parallelism; under the CPU backend it
+    # builds the norm and marks its weight, as apex's and transformer-engine's norms do, so
+    # that megatron-core all-reduces its gradient across the tensor-parallel pair (unmarked,
+    # the pair's copies of the weight would drift apart)
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SEQUENCE_PARALLEL_NORM], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "norm RMSNorm True [True] [None]" in done.stdout
