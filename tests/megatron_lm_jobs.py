@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -102,3 +103,12 @@ def run(
     assert returncode == 0, output[-6000:]
     losses, final = read_metrics(str(tmp_path / f"{name}.jsonl"))
     return losses, final, output
+
+
+def printed_lines(output: str) -> dict[int, str]:
+    """Megatron-LM's iteration lines by iteration (the last printed), without their time."""
+    lines = {}
+    for line in re.findall(r"\] iteration +\d+/.*", output):
+        iteration = int(re.search(r"iteration +(\d+)/", line).group(1))
+        lines[iteration] = re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|", "", line)
+    return lines

@@ -8,6 +8,7 @@ The only module that touches `megatron.training`; imported only by a patched Meg
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import signal
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 
 from .loaders import KeptLoaders
 from .parallel import destroy_distributed
-from .upstream_loop import LoopCounts
+from .upstream_loop import Batches, Counts, LoopCounts
 
 log = logging.getLogger("deadpool.upstream")
 
@@ -355,10 +356,35 @@ def restores_skip_load(restoring: Callable[[], bool]) -> bool:
     return _replace_once(training, "load_checkpoint", skipped_while_restoring)
 
 
-def loop_counts() -> LoopCounts:
-    """Megatron-LM's counts as its loop starts (train() has read them, its data iterators are
-    built): from its `--load`, from 0, or as a hot-swap carried them."""
+def _batches(args) -> Batches:
+    """The loop's global batches as Megatron-LM's own calculator (a copy of the job's, so
+    that asking moves nothing) gives them for the samples consumed; the operations of one
+    iteration as train() counts them, for the batch it trained."""
+    from megatron.core import num_microbatches_calculator as microbatches
     from megatron.training import training
+
+    calculator = copy.deepcopy(microbatches._GLOBAL_NUM_MICROBATCHES_CALCULATOR)
+    steady = -1 if args.rampup_batch_size is None else getattr(calculator, "ramup_samples", None)
+    flops: dict[int, float] = {}
+
+    def at(consumed: int) -> tuple[int, int]:
+        calculator.update(consumed, consistency_check=False)
+        return (calculator.get_current_running_global_batch_size(),
+                calculator.get_current_global_batch_size())  # fmt: skip
+
+    def of(trained: int) -> float:
+        if trained not in flops:
+            flops[trained] = training.num_floating_point_operations(args, trained)
+        return flops[trained]
+
+    return Batches(at, steady, of)
+
+
+def loop_counts(before: int | None) -> LoopCounts:
+    """Megatron-LM's counts as its loop starts (train() has read them, its data iterators are
+    built): from its `--load`, from 0, or as a hot-swap carried them (`before`: the samples
+    consumed before the iteration it restored, as carried; None: the job's start, where the
+    calculator stands at the samples consumed, as `--load` leaves it)."""
     from megatron.training.global_vars import get_args
 
     args = get_args()
@@ -366,24 +392,49 @@ def loop_counts() -> LoopCounts:
     if args.do_valid and args.eval_interval:  # train() evaluates at every --eval-interval
         sets = args.eval_iters if isinstance(args.eval_iters, list) else [args.eval_iters]
         per_evaluation = sum(sets) * args.global_batch_size  # evaluate(): a global batch each
+    consumed = int(args.consumed_train_samples)
     return LoopCounts(
         iteration=int(args.iteration),
         flops=float(args.num_floating_point_operations_so_far),
         valid_samples=int(args.consumed_valid_samples),
-        flops_per_iteration=training.num_floating_point_operations(args, args.global_batch_size),
+        train_samples=consumed,
+        skipped_samples=int(getattr(args, "skipped_train_samples", 0)),
+        before=consumed if before is None else before,
+        batches=_batches(args),
         valid_per_evaluation=per_evaluation,
         eval_interval=int(args.eval_interval or 0),
     )
 
 
-def set_counts(flops: float, valid_samples: int) -> None:
+def set_counts(counts: Counts, resumed: bool) -> None:
     """Give Megatron-LM's set-up the counts it goes on from: train() reads the operations,
-    the validation data loader starts after the samples."""
+    the loaders start after the samples; and its batch-size calculator where the loop
+    without the failure had it after the restored iteration (`resumed`; else where the
+    job's start had it): set by the samples consumed before that iteration, so that train()
+    sees a ramp step where that loop saw it (and saves there with --save, as it did)."""
+    from megatron.core.num_microbatches_calculator import update_num_microbatches
     from megatron.training.global_vars import get_args
 
     args = get_args()
-    args.num_floating_point_operations_so_far = flops
-    args.consumed_valid_samples = valid_samples
+    args.num_floating_point_operations_so_far = counts.flops
+    args.consumed_valid_samples = counts.valid_samples
+    args.consumed_train_samples = counts.train_samples
+    args.skipped_train_samples = counts.skipped_samples
+    update_num_microbatches(counts.before if resumed else counts.train_samples,
+                            consistency_check=False)  # fmt: skip
+
+
+def batch_changes_after(args, batches: Batches) -> bool:
+    """Whether train() meets a new global batch (a --rampup-batch-size step) at the top of
+    its next iteration, where it saves with --save: the batch for the samples consumed
+    after this iteration is not the one this iteration trained (asked during its step,
+    before the loop counts its samples)."""
+    from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
+
+    if args.rampup_batch_size is None:
+        return False
+    trained = get_current_running_global_batch_size()
+    return batches.at(args.consumed_train_samples + trained)[0] != trained
 
 
 def checkpoint_loaded() -> tuple[int, float] | None:
@@ -458,10 +509,8 @@ def resend_exit_signal() -> bool:
 
 
 def set_position(iteration: int) -> None:
-    """Make Megatron-LM's loop (and data loader) go on after `iteration`: train() starts from
-    args.iteration, the sampler from args.consumed_train_samples."""
+    """Make Megatron-LM's loop go on after `iteration`: train() starts from args.iteration
+    (where it trains from after a hot-swap, set_counts sets its counts)."""
     from megatron.training.global_vars import get_args
 
-    args = get_args()
-    args.iteration = iteration
-    args.consumed_train_samples = iteration * args.global_batch_size
+    get_args().iteration = iteration

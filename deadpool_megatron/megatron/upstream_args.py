@@ -8,6 +8,7 @@ without a checkout.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from ..config import JobConfig
 from ..errors import ConfigError
@@ -51,9 +52,68 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def _train_iters(iters: int | None, samples: int | None, global_batch: int) -> int:
+@dataclass(frozen=True)
+class Ramp:
+    """--rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by
+    INCREMENT, one step every SAMPLES / steps samples, up to --global-batch-size."""
+
+    start: int
+    increment: int
+    samples: int
+    final: int
+
+    def batch(self, consumed: int) -> int:
+        """The global batch asked for after `consumed` samples, as megatron-core's
+        RampupBatchsizeNumMicroBatchesCalculator computes it."""
+        if consumed > self.samples:
+            return self.final
+        per_step = self.samples / ((self.final - self.start) // self.increment)
+        return self.start + int(consumed / per_step) * self.increment
+
+
+def _ramp(ns: argparse.Namespace, dp: int) -> Ramp:
+    """The ramp --rampup-batch-size asks for, checked before any process starts (Megatron-LM
+    would fail on some of these at its first step of the ramp, or divide by zero)."""
+    values = ns.rampup_batch_size
+    shown = " ".join(values)
+    try:
+        start, increment, samples = (int(v) for v in values)
+    except ValueError:
+        raise ConfigError(
+            f"--rampup-batch-size {shown}: give three integers, START INCREMENT SAMPLES (the "
+            "first global batch, its increment, the samples the ramp takes)"
+        ) from None
+    final, unit = ns.global_batch_size, ns.micro_batch_size * dp
+    if ns.train_samples is None:
+        raise ConfigError(
+            f"--rampup-batch-size {shown} needs a sample-based run (--train-samples, not "
+            "--train-iters), as Megatron-LM's does"
+        )
+    if not (0 < start < final and increment > 0 and samples > 0):
+        raise ConfigError(
+            f"--rampup-batch-size {shown}: the start batch must be positive and less than "
+            f"--global-batch-size {final}, the increment and the samples positive"
+        )
+    if (final - start) % increment:
+        raise ConfigError(
+            f"--rampup-batch-size {shown}: --global-batch-size {final} minus the start batch "
+            f"{start} is not a multiple of the increment {increment}"
+        )
+    if not ns.decrease_batch_size_if_needed and (start % unit or increment % unit):
+        raise ConfigError(
+            f"--rampup-batch-size {shown}: every batch of the ramp must be a multiple of "
+            f"--micro-batch-size {ns.micro_batch_size} x data-parallel size {dp} = {unit}; "
+            f"use a start batch and an increment that are (or --decrease-batch-size-if-needed)"
+        )
+    return Ramp(start, increment, samples, final)
+
+
+def _train_iters(
+    iters: int | None, samples: int | None, global_batch: int, ramp: Ramp | None = None
+) -> int:
     """The iterations a run trains: --train-iters, or for a sample-based run as Megatron-LM's
-    update_train_iters counts them without a batch-size ramp (whole global batches)."""
+    update_train_iters counts them: whole global batches, through the ramp first if any
+    (its last partial batch thrown away)."""
     if (iters is None) == (samples is None):
         given = "both" if iters is not None else "neither"
         raise ConfigError(
@@ -61,12 +121,21 @@ def _train_iters(iters: int | None, samples: int | None, global_batch: int) -> i
         )
     if samples is None:
         return iters
-    if samples < global_batch:
+    first = global_batch if ramp is None else ramp.start
+    if samples < first:
         raise ConfigError(
-            f"--train-samples {samples} is less than one global batch ({global_batch}): "
-            f"use at least {global_batch}"
+            f"--train-samples {samples} is less than one global batch ({first}): "
+            f"use at least {first}"
         )
-    return samples // global_batch
+    if ramp is None:
+        return samples // global_batch
+    iterations = consumed = 0
+    while consumed <= ramp.samples and consumed <= samples:
+        consumed += ramp.batch(consumed)
+        iterations += 1
+    if samples > consumed:
+        iterations += (samples - consumed) // global_batch
+    return iterations
 
 
 def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
@@ -80,6 +149,8 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
             parser.add_argument(flag, type=kind, default=default)
     parser.add_argument("--train-samples", type=int, default=None)  # no JobConfig field
     parser.add_argument("--eval-interval", type=int, default=None)  # neither
+    parser.add_argument("--rampup-batch-size", nargs="*", default=None)  # neither
+    parser.add_argument("--decrease-batch-size-if-needed", action="store_true")  # neither
     add_arguments(parser)
     ns, _ = parser.parse_known_args(argv)
     if _given(argv, "--inprocess-restart"):
@@ -94,11 +165,6 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
                 "use --use-distributed-optimizer (the optimizer state sharded, the parameters "
                 "whole on every data-parallel rank)"
             )
-    if _given(argv, "--rampup-batch-size"):
-        raise ConfigError(
-            "--rampup-batch-size is not supported with --deadpool: the samples consumed by "
-            "an iteration must not depend on where the batch size ramp stood"
-        )
     ns.metrics_jsonl = ns.deadpool_metrics_jsonl
     dp = check_model_parallel(
         world_size, ns.tensor_model_parallel_size, ns.pipeline_model_parallel_size
@@ -107,7 +173,10 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
         raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size")
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp
-    ns.train_iters = _train_iters(ns.train_iters, ns.train_samples, ns.global_batch_size)
+    ramp = None
+    if ns.rampup_batch_size is not None:
+        ramp = _ramp(ns, dp)
+    ns.train_iters = _train_iters(ns.train_iters, ns.train_samples, ns.global_batch_size, ramp)
     cfg = build_job_config(ns)
     validate_deadpool(cfg, dp, eval_interval=ns.eval_interval or 0)
     return cfg

@@ -19,38 +19,86 @@ Pure: no Megatron-LM here (upstream.py reads and sets its counts, its args are g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class Batches:
+    """The global batch of each iteration, as Megatron-LM's batch-size calculator gives it
+    for the training samples consumed before the iteration (constant, or ramped up by
+    --rampup-batch-size): `at(consumed)` is (the batch trained, the batch asked for), which
+    differ by what --decrease-batch-size-if-needed leaves out; `steady_from`: the samples
+    consumed past which the batch no longer changes (None: it may change anywhere);
+    `flops(batch)`: one iteration's floating-point operations for a batch trained."""
+
+    at: Callable[[int], tuple[int, int]]
+    steady_from: int | None
+    flops: Callable[[int], float]
+
+    @classmethod
+    def constant(cls, batch: int, flops: float) -> Batches:
+        return cls(lambda consumed: (batch, batch), -1, lambda trained: flops)
+
+
+class Counts(NamedTuple):
+    """Megatron-LM's counts after an iteration (`before`: the training samples consumed
+    before it, which the batch of that iteration was chosen by)."""
+
+    flops: float
+    valid_samples: int
+    train_samples: int
+    skipped_samples: int
+    before: int
 
 
 @dataclass(frozen=True)
 class LoopCounts:
     """What Megatron-LM's loop counts beside the iteration, in its args, and saves with every
-    checkpoint: floating-point operations and validation samples consumed. A hot-swap's
-    pretrain() run again counts both from 0 (its `--load` is skipped), and a sample-based run
-    (--train-samples) would even validate from the first sample again: the ranks that kept
-    where their loop started carry both to the restored iteration. Both follow from the
-    iteration alone once the loop runs (--rampup-batch-size is refused with --deadpool)."""
+    checkpoint: floating-point operations, training samples consumed (and left out of a
+    batch) and validation samples consumed. A hot-swap's pretrain() run again counts them
+    from 0 (its `--load` is skipped), and a sample-based run (--train-samples) would even
+    validate from the first sample again: the ranks that kept where their loop started carry
+    them to the restored iteration. They follow from the iteration and the loop's start: each
+    iteration adds one global batch (`Batches`), and every --eval-interval an evaluation's
+    validation samples."""
 
     iteration: int  # where the loop started
     flops: float
     valid_samples: int
-    flops_per_iteration: float
+    train_samples: int
+    skipped_samples: int
+    before: int  # training samples consumed before the start's iteration (Counts.before)
+    batches: Batches
     valid_per_evaluation: int  # samples one evaluation consumes; 0 where the loop has none
     eval_interval: int
 
-    def at(self, iteration: int) -> tuple[float, int]:
-        """The two counts after `iteration`: one global batch's operations per iteration,
-        added one at a time as the loop adds them (a product rounds otherwise once counts
-        pass 2**53), and one evaluation's samples at every --eval-interval."""
-        flops = self.flops
-        if iteration < self.iteration:  # not met (a roll-back never goes before the start)
-            flops += (iteration - self.iteration) * self.flops_per_iteration
-        for _ in range(iteration - self.iteration):
-            flops += self.flops_per_iteration
+    def at(self, iteration: int) -> Counts:
+        """The counts after `iteration` (at least the start: a roll-back never goes before
+        it), walked iteration by iteration as the loop counts: the operations added one at a
+        time (a product rounds otherwise once counts pass 2**53); once the batch is steady
+        the samples are a product, which is exact."""
+        flops, consumed, skipped = self.flops, self.train_samples, self.skipped_samples
+        before, left = self.before, max(iteration - self.iteration, 0)
+        steady = self.batches.steady_from
+        while left and (steady is None or consumed <= steady):
+            trained, asked = self.batches.at(consumed)
+            before, consumed, skipped = consumed, consumed + trained, skipped + asked - trained
+            flops += self.batches.flops(trained)
+            left -= 1
+        if left:
+            trained, asked = self.batches.at(consumed)
+            before, consumed = consumed + (left - 1) * trained, consumed + left * trained
+            skipped += left * (asked - trained)
+            per_iteration = self.batches.flops(trained)
+            for _ in range(left):
+                flops += per_iteration
         evaluations = 0
-        if self.eval_interval:
+        if self.eval_interval and iteration > self.iteration:
             evaluations = iteration // self.eval_interval - self.iteration // self.eval_interval
-        return flops, self.valid_samples + evaluations * self.valid_per_evaluation
+        valid = self.valid_samples + evaluations * self.valid_per_evaluation
+        return Counts(flops, valid, consumed, skipped, before)
 
 
 @dataclass
@@ -96,13 +144,17 @@ def redo_start(valid_samples: int, per_evaluation: int) -> int | None:
     return valid_samples - max(per_evaluation, 0)
 
 
-def slow_work_after(args, iteration: int) -> str | None:
+def slow_work_after(args, iteration: int, batch_changes: bool = False) -> str | None:
     """What Megatron-LM's train() does after `iteration` that can take minutes (the progress
     phase to mark, so a healthy evaluation or save is never taken for a hang): it evaluates
-    at every --eval-interval and saves at every --save-interval (checkpoint_and_decide_exit)."""
+    at every --eval-interval and saves at every --save-interval (checkpoint_and_decide_exit),
+    and with --save where the next iteration's global batch is a new one (`batch_changes`:
+    a --rampup-batch-size step, saved at the top of that iteration)."""
     if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
         return "evaluate"
     if args.save and args.save_interval and iteration % args.save_interval == 0:
+        return "save"
+    if args.save and batch_changes:
         return "save"
     return None
 

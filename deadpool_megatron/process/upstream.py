@@ -37,6 +37,7 @@ from ..megatron.loaders import KeptLoaders
 from ..megatron.log_flush import Flusher
 from ..megatron.model import TrainState, train_state
 from ..megatron.upstream_loop import (
+    Counts,
     EvaluationRecord,
     LoopCounts,
     ends_after,
@@ -131,6 +132,7 @@ class UpstreamSession(ProtectedLoop):
         self._evaluations = EvaluationRecord()
         self._evaluate_again: int | None = None  # the iteration whose evaluation runs again
         self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
+        self._carried_before = 0  # their samples consumed before the restored iteration
         # this set-up's loop goes on after a restored iteration (not the job's start)
         self.loop_resumed = False
         # the iteration the job's training began at (0, or what --load brought): a claimed
@@ -294,23 +296,29 @@ class UpstreamSession(ProtectedLoop):
         iteration, which may then run again (upstream_loop.evaluate_again), its samples not
         yet consumed; and the iteration the job's training began at."""
         iteration, counts = self.position.iteration, self._counts
-        # operations, samples, samples per evaluation, cut short; the last rank's: kept, cut;
-        # where the job's training began
-        mine = [-1.0, -1.0, -1.0, 0.0, 0.0, 0.0, -1.0 if self._began is None else self._began]
+        fields = (*Counts._fields, "per_evaluation", "cut", "last_kept", "last_cut", "began")
+        mine = dict.fromkeys(fields, -1.0)
+        mine.update(cut=0.0, last_kept=0.0, last_cut=0.0)
+        if self._began is not None:
+            mine["began"] = float(self._began)
         if counts is not None:
             cut = float(self._evaluations.cut_short(iteration))
             last = float(dist.get_rank() == dist.get_world_size() - 1)
-            mine[:6] = [*counts.at(iteration), float(counts.valid_per_evaluation), cut, last,
-                        last * cut]  # fmt: skip
-        carried = torch.tensor(mine, dtype=torch.float64)
+            mine.update(counts.at(iteration)._asdict(), per_evaluation=counts.valid_per_evaluation,
+                        cut=cut, last_kept=last, last_cut=last * cut)  # fmt: skip
+        carried = torch.tensor([float(mine[f]) for f in fields], dtype=torch.float64)
         dist.all_reduce(carried, op=dist.ReduceOp.MAX, group=host)
-        flops, valid, per_evaluation, *cut, began = carried.tolist()
-        valid_samples = max(int(valid), 0)
-        if evaluate_again(*(bool(c) for c in cut)):
-            valid_samples = self._evaluate_after(iteration, valid_samples, int(per_evaluation))
-        upstream.set_counts(max(flops, 0.0), valid_samples)
+        got = dict(zip(fields, carried.tolist(), strict=True))
+        at = Counts(max(got["flops"], 0.0), *(max(int(got[f]), 0) for f in Counts._fields[1:]))
+        self._began = max(int(got["began"]), 0)
+        if evaluate_again(*(bool(got[f]) for f in ("cut", "last_kept", "last_cut"))):
+            valid = self._evaluate_after(iteration, at.valid_samples, int(got["per_evaluation"]))
+            at = at._replace(valid_samples=valid)
+        # the calculator as the loop without the failure had it after `iteration` (a ramp
+        # step before the next is met as that loop met it); at the job's start as it began
+        upstream.set_counts(at, resumed=iteration > self._began)
+        self._carried_before = at.before
         self.counts_carried = True
-        self._began = max(int(began), 0)
 
     def _evaluate_after(self, iteration: int, valid_samples: int, per_evaluation: int) -> int:
         """The evaluation after `iteration` was cut short: it runs again before the loop
@@ -391,7 +399,8 @@ class UpstreamSession(ProtectedLoop):
     def before_step(self, iteration: int) -> None:
         self._step_started = time.perf_counter()
         if not self._loop_started:  # this set-up's loop starts: what it counts from
-            self._counts, self._loop_started = upstream.loop_counts(), True
+            before = self._carried_before if self.counts_carried else None
+            self._counts, self._loop_started = upstream.loop_counts(before), True
             self.counts_carried = False
         self._log_flush.request()  # the previous iteration's scalars (log_flush.py says why)
         super().before_step(iteration)
@@ -408,7 +417,9 @@ class UpstreamSession(ProtectedLoop):
         from megatron.training.global_vars import get_args
 
         args = get_args()
-        slow = slow_work_after(args, iteration)
+        slow = slow_work_after(
+            args, iteration, upstream.batch_changes_after(args, self._counts.batches)
+        )
         last = ends_after(args, iteration)  # what pretrain() does next is its end
         self._evaluations.after_step(iteration, slow == "evaluate")
         if last or slow is not None:

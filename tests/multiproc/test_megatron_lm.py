@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, launch, run
+from megatron_lm_jobs import DP4, MODEL, launch, printed_lines, run
 
 from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT
@@ -451,15 +451,6 @@ def test_upstream_hot_swap_back_to_the_loaded_iteration_prints_what_the_resumed_
     assert sorted(losses) == list(range(5, 13))
     assert got == losses and got_final["state_digest"] == final["state_digest"]
     assert printed_lines(output) == printed_lines(free_output)
-
-
-def printed_lines(output: str) -> dict[int, str]:
-    """Megatron-LM's iteration lines by iteration (the last printed), without their time."""
-    lines = {}
-    for line in re.findall(r"\] iteration +\d+/.*", output):
-        iteration = int(re.search(r"iteration +(\d+)/", line).group(1))
-        lines[iteration] = re.sub(r"elapsed time per iteration \(ms\): [0-9.]+ \|", "", line)
-    return lines
 
 
 def test_upstream_set_up_that_fails_again_the_same_way_ends_the_job_with_its_traceback(

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, python_first, run
+from megatron_lm_jobs import DP4, MODEL, printed_lines, python_first, run
 from slurm_cluster import start_cluster
 from slurm_jobs import lose_node, node_logs, submit, wait_for_iteration
 
@@ -100,6 +100,51 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
         counts = _saved_counts(swap_dir, iteration)
         assert counts == _saved_counts(free_dir, iteration)
         assert counts[0] > 0 and counts[1:] == (8 * iteration, 16 * (iteration // 3))
+
+
+# The global batch ramped up (--rampup-batch-size, as Megatron-LM's GPT-3 175B script
+# trains): 4, 8, then 12 samples an iteration (a step every 12 samples, up to 24), so the
+# samples consumed after iterations 1-7 are 4, 8, 12, 20, 28, 40, 52; 11 iterations of 100.
+RAMPED = [a for a in MODEL if a not in ("--train-iters", "12", "--global-batch-size", "8")] + (
+    shlex.split("--global-batch-size 12 --train-samples 100 --rampup-batch-size 4 4 24")
+)
+
+
+def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without_them(
+    megatron_lm, tmp_path
+):
+    # Rank 1 dies as iteration 3's save starts (train() meets the step to 8 samples at the
+    # top of iteration 4 and saves 3 there), rank 2 in iteration 7 (rolled back to 6, the
+    # loop having started at 3). Each restored iteration's samples consumed come from the
+    # ranks that kept their loop (a product of the iteration and the global batch would give
+    # 36 and 72), and the batch-size calculator is set where the loop without the failure
+    # had it, so the resumed loop meets the step and saves 3 as that loop did: every loss,
+    # every printed line (consumed samples, global batch size), the checkpoints' counts and
+    # the digest are the failure-free run's.
+    saved = ["--save-interval", "1000"]  # saves at the ramp's steps and the end only
+    free_dir, swap_dir = tmp_path / "free_ckpt", tmp_path / "swap_ckpt"
+    losses, final, free_output = run(megatron_lm, tmp_path, "ramp_free",
+                                     [*saved, "--save", str(free_dir)], model=RAMPED)  # fmt: skip
+    got, got_final, output = run(
+        megatron_lm, tmp_path, "ramp_swap",
+        [*saved, "--save", str(swap_dir), "--deadpool-inject", "kill@1:3:save,kill@2:7"],
+        model=RAMPED, spares=2,
+    )  # fmt: skip
+    assert sorted(losses) == list(range(1, 12))
+    assert "spare 0 claimed: takes over rank 1 in generation 1" in output
+    assert "spare 1 claimed: takes over rank 2 in generation 2" in output
+    assert "rolled back to iteration 3 (" in output and "rolled back to iteration 6 (" in output
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+    # a fault at phase save strikes as the step ends, before Megatron-LM's line for the
+    # iteration (its timers all-gather with the killed rank): line 3 is missing, no other
+    printed = printed_lines(free_output)
+    assert printed_lines(output) == {i: line for i, line in printed.items() if i != 3}
+    consumed = [int(c) for c in re.findall(r"consumed samples: +(\d+)", free_output)]
+    assert consumed == [4, 8, 12, 20, 28, 40, 52, 64, 76, 88, 100]
+    for iteration in (3, 5, 11):  # the ramp's two steps (saved at their tops), and the end
+        counts = _saved_counts(swap_dir, iteration)
+        assert counts == _saved_counts(free_dir, iteration)
+        assert counts[1] == consumed[iteration - 1]
 
 
 def test_upstream_evaluation_cut_short_by_a_failure_runs_again_from_its_first_sample(

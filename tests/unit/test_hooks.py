@@ -15,6 +15,8 @@ from deadpool_megatron import hooks
 from deadpool_megatron.errors import ConfigError
 from deadpool_megatron.megatron.upstream_args import parse_job_config
 from deadpool_megatron.megatron.upstream_loop import (
+    Batches,
+    Counts,
     EvaluationRecord,
     LoopCounts,
     ends_after,
@@ -26,6 +28,8 @@ from deadpool_megatron.runtime import ENV_ROLE
 
 PATCHES = Path(__file__).resolve().parents[2] / "patches"
 BASE = shlex.split("--micro-batch-size 2 --train-iters 10 --use-distributed-optimizer")
+SAMPLES = shlex.split("--micro-batch-size 2 --global-batch-size 32 --train-samples 400 "
+                      "--use-distributed-optimizer --deadpool")  # fmt: skip
 
 
 def pretrain(*args, **kwargs):
@@ -79,8 +83,17 @@ def test_parse_job_config_reads_the_shared_megatron_flags():
         ([*BASE, "--pipeline-model-parallel-size", "3"], 4, "not divisible"),
         (["--train-iters", "10", "--deadpool"], 4, "--micro-batch-size"),
         ([*BASE, "--deadpool", "--inprocess-restart"], 4, "--inprocess-restart"),
-        ([*BASE, "--deadpool", "--rampup-batch-size", "4", "4", "100"], 4,
-         "--rampup-batch-size"),
+        ([*BASE, "--deadpool", "--rampup-batch-size", "8", "8", "100"], 4,
+         "--rampup-batch-size 8 8 100 needs a sample-based run"),
+        ([*SAMPLES, "--rampup-batch-size", "8", "8"], 4, "give three integers"),
+        ([*SAMPLES, "--rampup-batch-size", "8", "x", "100"], 4, "8 x 100: give three integers"),
+        ([*SAMPLES, "--rampup-batch-size", "32", "8", "100"], 4,
+         "the start batch must be positive and less than --global-batch-size 32"),
+        ([*SAMPLES, "--rampup-batch-size", "8", "16", "100"], 4,
+         "--global-batch-size 32 minus the start batch 8 is not a multiple of the increment 16"),
+        ([*SAMPLES, "--rampup-batch-size", "4", "4", "100"], 4,
+         "every batch of the ramp must be a multiple of --micro-batch-size 2 x data-parallel "
+         "size 4 = 8"),
         (["--micro-batch-size", "2", "--train-iters", "10", "--deadpool"], 4,
          "--use-distributed-optimizer"),
         ([*BASE, "--deadpool", "--pipeline-model-parallel-size", "4"], 4, "data-parallel size"),
@@ -119,19 +132,75 @@ def test_a_sample_based_run_trains_whole_global_batches_as_megatron_lm_counts_th
         parse_job_config([*argv[:-1], "kill@1:13:finish"], world_size=4)
 
 
+def test_a_ramped_up_run_trains_the_iterations_megatron_lms_update_train_iters_counts():
+    # megatron-core's own calculator, walked as Megatron-LM's update_train_iters walks it
+    from megatron.core.num_microbatches_calculator import (
+        RampupBatchsizeNumMicroBatchesCalculator as Calculator,
+    )
+
+    for start, increment, ramp, samples in [(8, 8, 100, 400), (8, 8, 1, 400), (16, 8, 250, 330),
+                                            (8, 24, 1000, 5000), (8, 8, 100, 37)]:  # fmt: skip
+        argv = [*SAMPLES, "--train-samples", str(samples), "--rampup-batch-size", str(start),
+                str(increment), str(ramp)]  # fmt: skip
+        got = parse_job_config(argv, world_size=4).training.train_iters
+        calculator = Calculator(32, 2, 4, False, 1, start, increment, ramp)
+        iterations = consumed = 0
+        while consumed <= ramp and consumed <= samples:
+            calculator.update(consumed, consistency_check=True)
+            consumed += calculator.get_current_global_batch_size()
+            iterations += 1
+        iterations += max(samples - consumed, 0) // 32
+        assert got == iterations, (start, increment, ramp, samples)
+    # 8 x 5, 16 x 2, 24 x 2 (100 / 3 samples a step; 120 > 100 ends the ramp), 280 // 32
+    argv = [*SAMPLES, "--rampup-batch-size", "8", "8", "100"]
+    assert parse_job_config(argv, world_size=4).training.train_iters == 9 + 8
+
+
 def test_loop_counts_at_an_iteration_are_what_megatron_lms_loop_counts_there():
     # From a loop that started at 4 (a --load's): 3 flops per iteration, 16 validation
-    # samples at every multiple of 3 (an evaluation there comes before any save or failure).
-    start = LoopCounts(iteration=4, flops=12.0, valid_samples=16, flops_per_iteration=3.0,
+    # samples at every multiple of 3 (an evaluation there comes before any save or failure),
+    # 8 training samples per iteration.
+    start = LoopCounts(iteration=4, flops=12.0, valid_samples=16, train_samples=32,
+                       skipped_samples=0, before=24, batches=Batches.constant(8, 3.0),
                        valid_per_evaluation=16, eval_interval=3)  # fmt: skip
-    assert start.at(4) == (12.0, 16)
-    assert start.at(5) == (15.0, 16)  # no evaluation since the start's (at 3)
+    assert start.at(4) == (12.0, 16, 32, 0, 24)
+    assert start.at(5) == (15.0, 16, 40, 0, 32)  # no evaluation since the start's (at 3)
     assert [start.at(i)[1] for i in (5, 6, 8, 9, 12)] == [16, 32, 32, 48, 64]
-    assert start.at(12) == (36.0, 64)
+    assert start.at(12) == Counts(36.0, 64, 96, 0, 88)
     # added one iteration at a time as the loop adds them, not multiplied (which rounds)
-    big = LoopCounts(iteration=0, flops=2.0**53, valid_samples=0, flops_per_iteration=1.0,
+    big = LoopCounts(iteration=0, flops=2.0**53, valid_samples=0, train_samples=0,
+                     skipped_samples=0, before=0, batches=Batches.constant(8, 1.0),
                      valid_per_evaluation=0, eval_interval=0)  # fmt: skip
-    assert big.at(2) == (2.0**53, 0)  # each +1 rounds away, as in the loop (a product: +2)
+    assert big.at(2).flops == 2.0**53  # each +1 rounds away, as in the loop (a product: +2)
+
+
+def test_loop_counts_follow_a_batch_size_ramp_as_megatron_lms_loop_walks_it():
+    # The loop asks the batch for the samples consumed before each iteration, trains the
+    # running batch (the asked one rounded down to whole micro-batches x DP, here 8, with
+    # --decrease-batch-size-if-needed), adds what it trained and counts the rest as skipped.
+    def asked(consumed: int) -> int:
+        return 30 if consumed > 60 else 6 + consumed // 20 * 6  # 6, 12, 18, 24, then 30
+
+    def at(consumed: int) -> tuple[int, int]:
+        return asked(consumed) // 8 * 8, asked(consumed)
+
+    batches = Batches(at, 60, lambda trained: trained * 0.5)
+    loop = LoopCounts(iteration=0, flops=0.0, valid_samples=0, train_samples=0,
+                      skipped_samples=0, before=0, batches=batches, valid_per_evaluation=0,
+                      eval_interval=0)  # fmt: skip
+    flops, consumed, skipped, before = 0.0, 0, 0, 0
+    for iteration in range(1, 15):
+        trained, wanted = at(consumed)
+        before, consumed, skipped = consumed, consumed + trained, skipped + wanted - trained
+        flops += trained * 0.5
+        assert loop.at(iteration) == Counts(flops, 0, consumed, skipped, before), iteration
+    # the same from a loop that a hot-swap started at iteration 9 (its counts carried)
+    there = loop.at(9)
+    later = LoopCounts(iteration=9, flops=there.flops, valid_samples=0,
+                       train_samples=there.train_samples, skipped_samples=there.skipped_samples,
+                       before=there.before, batches=batches, valid_per_evaluation=0,
+                       eval_interval=0)  # fmt: skip
+    assert later.at(9) == there and later.at(14) == loop.at(14)
 
 
 def test_an_evaluation_is_cut_short_where_it_was_due_after_the_restored_iteration_and_unfinished():
@@ -181,8 +250,12 @@ def test_evaluations_and_saves_after_a_step_are_marked_as_slow_phases():
     args = SimpleNamespace(eval_interval=10, do_valid=True, save="ckpt", save_interval=4)
     assert [slow_work_after(args, i) for i in (3, 4, 10, 20)] == [None, "save", "evaluate",
                                                                    "evaluate"]  # fmt: skip
+    # a --rampup-batch-size step: train() saves at the top of the next iteration (--save)
+    assert slow_work_after(args, 3, batch_changes=True) == "save"
+    assert slow_work_after(args, 10, batch_changes=True) == "evaluate"  # that comes first
     args = SimpleNamespace(eval_interval=10, do_valid=False, save=None, save_interval=None)
     assert slow_work_after(args, 10) is None
+    assert slow_work_after(args, 3, batch_changes=True) is None  # nothing saved without --save
 
 
 def test_training_ends_after_the_last_iteration_or_a_multiple_of_the_exit_interval():
