@@ -398,12 +398,15 @@ NPROC = {"moe_expert_tensor_parallel_1": 8}  # the other configurations: 4 ranks
         # EP4 x ETP1: each expert whole on one rank, the dense layers split across pairs),
         # the layout most mixtures of experts with tensor parallelism use, with sequence
         # parallelism (megatron-core refuses MoE with TP without it): rank 1's dense shard is
-        # also on ranks 3, 5 and 7, its experts (2-3 of 8) only on rank 5
+        # also on ranks 3, 5 and 7, its experts (2-3 of 8) only on rank 5. Megatron-LM checks
+        # that its data-parallel replicas hold the same weights (dense and expert, by SHA-1)
+        # as each loop starts, the resumed one included, and every 4 iterations
         ("moe_expert_tensor_parallel_1", [*TP2, "--sequence-parallel", "--num-experts", "8",
                                           "--expert-model-parallel-size", "4",
                                           "--expert-tensor-parallel-size", "1",
                                           "--moe-token-dispatcher-type", "alltoall",
-                                          "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"],
+                                          "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear",
+                                          "--check-weight-hash-across-dp-replicas-interval", "4"],
          "kill@1:5"),
         # fp16 with Megatron-LM's dynamic loss scale: from 2**17, doubled after every 3
         # iterations without an overflow, halved after two with one (7 and 8, 12 skipped);
@@ -430,6 +433,8 @@ def test_upstream_configurations_users_run_are_hot_swapped_bitwise(
     )
     assert "spare 0 claimed" in output
     assert sorted(losses) == list(range(1, 13))
+    if "--check-weight-hash-across-dp-replicas-interval" in flags:  # at 0, 4, 8, 12; at 4 again
+        assert output.count(">>> Weight hashes match after") == 5, output[-3000:]
     assert got == losses and got_final["state_digest"] == final["state_digest"]
     # and Megatron-LM printed the same lines (losses, MoE's auxiliary one, grad norm, ...)
     assert printed_lines(output) == printed_lines(free_output)
