@@ -293,12 +293,16 @@ def evaluations_reported(starts: Callable[[int], None], ends: Callable[[int], No
     return _replace_once(training, "evaluate_and_print_results", reported)
 
 
-def logs_resumed_loops_as_one(resumed: Callable[[], bool]) -> bool:
+def logs_resumed_loops_as_one(
+    resumed: Callable[[], dict | None], logged: Callable[[int, dict], None]
+) -> bool:
     """Megatron-LM's train() logs its first iteration without resetting the loss sums it
     prints (so the next line averages two iterations), meant for the job's start. Where
-    `resumed()` (a hot-swap's train(), going on after a restored iteration) that first
-    iteration is logged as the uninterrupted loop logs it, so the lines printed after the
-    failure are the failure-free run's. False where Megatron-LM has no such function."""
+    `resumed()` gives sums (a hot-swap's train(), going on after a restored iteration: the
+    sums as they stood after it, upstream_loop.LoggedSums) that first iteration is logged as
+    the uninterrupted loop logs it, from those sums, so the lines printed after the failure
+    are the failure-free run's; None: the job's start. `logged(iteration, sums)` after each
+    iteration's training_log. False where Megatron-LM has no such function."""
     from megatron.training import training
 
     def as_one_loop(own: Callable) -> Callable:
@@ -308,13 +312,54 @@ def logs_resumed_loops_as_one(resumed: Callable[[], bool]) -> bool:
 
         def training_log(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
-            if bound.arguments.get("is_first_iteration") and resumed():
-                bound.arguments["is_first_iteration"] = False
-            return own(*bound.args, **bound.kwargs)
+            sums = bound.arguments["total_loss_dict"]
+            if bound.arguments.get("is_first_iteration"):
+                carried = resumed()
+                if carried is not None:
+                    bound.arguments["is_first_iteration"] = False
+                    sums.update(carried)
+            result = own(*bound.args, **bound.kwargs)
+            logged(int(bound.arguments["iteration"]), sums)
+            return result
 
         return training_log
 
     return _replace_once(training, "training_log", as_one_loop)
+
+
+def copy_sums(sums: dict) -> dict:
+    """training_log's sums copied (its tensors cloned, on their device: no synchronisation)."""
+    import torch
+
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in sums.items()}
+
+
+def sums_to_host(sums: dict) -> dict:
+    """training_log's sums as plain values, to send to another rank (a claimed spare)."""
+    import torch
+
+    return {k: (str(v.dtype), v.tolist()) if torch.is_tensor(v) else v for k, v in sums.items()}
+
+
+def sums_from_host(sums: dict) -> dict:
+    """sums_to_host's values as training_log holds them, on this rank's device."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        torch.cuda.is_available()) else torch.device("cpu")  # fmt: skip
+    return {
+        k: torch.tensor(v[1], dtype=getattr(torch, v[0].removeprefix("torch.")), device=device)
+        if isinstance(v, tuple) else v
+        for k, v in sums.items()
+    }  # fmt: skip
+
+
+def on_last_stage() -> bool:
+    """Whether this rank is on the last pipeline stage, whose training_log sums the losses
+    (and the job's last rank, which prints them, is there too)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
 def evaluate_as_the_loop_does(evaluate: Callable[[], object]) -> None:

@@ -101,6 +101,33 @@ class LoopCounts:
         return Counts(flops, valid, consumed, skipped, before)
 
 
+class LoggedSums:
+    """What Megatron-LM's training_log has summed since its last printed line (its
+    total_loss_dict: each loss's sum, the advanced, skipped and nan iterations), as it stood
+    after each of the last few iterations, copied (`copy`). A hot-swap's train() starts an
+    empty dict, so the next line after a restored iteration averaged only the iterations
+    since the restore (with --log-interval 100, the iterations before it in the interval
+    were missing; at the job's second iteration, the first's); the ranks carry the sums as
+    they stood after the restored iteration instead, which the resumed loop's first
+    training_log starts from."""
+
+    KEEP = 4  # a recovery restores the newest committed iteration or the one before
+
+    def __init__(self, copy: Callable[[dict], dict]):
+        self._copy = copy
+        self._after: dict[int, dict] = {}
+
+    def logged(self, iteration: int, sums: dict) -> None:
+        self._after[iteration] = self._copy(sums)
+        for old in sorted(self._after)[: -self.KEEP]:
+            del self._after[old]
+
+    def after(self, iteration: int) -> dict | None:
+        """The sums as they stood after `iteration` (a copy), None where not kept."""
+        sums = self._after.get(iteration)
+        return None if sums is None else self._copy(sums)
+
+
 @dataclass
 class EvaluationRecord:
     """One process's evaluations: the newest iteration its loop was to evaluate after, and

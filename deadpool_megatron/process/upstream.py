@@ -39,6 +39,7 @@ from ..megatron.model import TrainState, train_state
 from ..megatron.upstream_loop import (
     Counts,
     EvaluationRecord,
+    LoggedSums,
     LoopCounts,
     ends_after,
     evaluate_again,
@@ -133,6 +134,9 @@ class UpstreamSession(ProtectedLoop):
         self._evaluate_again: int | None = None  # the iteration whose evaluation runs again
         self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
         self._carried_before = 0  # their samples consumed before the restored iteration
+        # training_log's sums after the last iterations, and those a resumed loop starts from
+        self._logged = LoggedSums(upstream.copy_sums)
+        self._resumed_sums: dict | None = None
         # this set-up's loop goes on after a restored iteration (not the job's start)
         self.loop_resumed = False
         # the iteration the job's training began at (0, or what --load brought): a claimed
@@ -252,6 +256,7 @@ class UpstreamSession(ProtectedLoop):
             self.metrics = MetricsWriter(self.cfg.logging.metrics_jsonl)
         pending, self.pending = self.pending, None
         self._loop_started = self.counts_carried = self.loop_resumed = False
+        self._resumed_sums = None
         self._evaluate_again = None
         if pending is None:
             loaded = upstream.checkpoint_loaded()
@@ -296,11 +301,15 @@ class UpstreamSession(ProtectedLoop):
         iteration, which may then run again (upstream_loop.evaluate_again), its samples not
         yet consumed; and the iteration the job's training began at."""
         iteration, counts = self.position.iteration, self._counts
-        fields = (*Counts._fields, "per_evaluation", "cut", "last_kept", "last_cut", "began")
+        fields = (*Counts._fields, "per_evaluation", "cut", "last_kept", "last_cut", "began",
+                  "sums_from")  # fmt: skip
         mine = dict.fromkeys(fields, -1.0)
         mine.update(cut=0.0, last_kept=0.0, last_cut=0.0)
         if self._began is not None:
             mine["began"] = float(self._began)
+        sums = self._logged.after(iteration)
+        if sums is not None and upstream.on_last_stage():  # its sums are the printing rank's
+            mine["sums_from"] = float(dist.get_rank())
         if counts is not None:
             cut = float(self._evaluations.cut_short(iteration))
             last = float(dist.get_rank() == dist.get_world_size() - 1)
@@ -311,6 +320,10 @@ class UpstreamSession(ProtectedLoop):
         got = dict(zip(fields, carried.tolist(), strict=True))
         at = Counts(max(got["flops"], 0.0), *(max(int(got[f]), 0) for f in Counts._fields[1:]))
         self._began = max(int(got["began"]), 0)
+        if iteration > self._began and got["sums_from"] >= 0:  # a claimed spare gets them
+            sent = [upstream.sums_to_host(sums) if sums is not None else None]
+            dist.broadcast_object_list(sent, src=int(got["sums_from"]), group=host)
+            self._resumed_sums = sums if sums is not None else upstream.sums_from_host(sent[0])
         if evaluate_again(*(bool(got[f]) for f in ("cut", "last_kept", "last_cut"))):
             valid = self._evaluate_after(iteration, at.valid_samples, int(got["per_evaluation"]))
             at = at._replace(valid_samples=valid)
@@ -319,6 +332,15 @@ class UpstreamSession(ProtectedLoop):
         upstream.set_counts(at, resumed=iteration > self._began)
         self._carried_before = at.before
         self.counts_carried = True
+
+    def resumed_sums(self) -> dict | None:
+        """What this set-up's first training_log starts from: after a restored iteration,
+        its sums (LoggedSums; none where no rank on the last stage kept them); at the job's
+        start, None (logged as Megatron-LM logs its start)."""
+        return (self._resumed_sums or {}) if self.loop_resumed else None
+
+    def logged(self, iteration: int, sums: dict) -> None:
+        self._logged.logged(iteration, sums)
 
     def _evaluate_after(self, iteration: int, valid_samples: int, per_evaluation: int) -> int:
         """The evaluation after `iteration` was cut short: it runs again before the loop
@@ -467,7 +489,8 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
     upstream.torch_adam_loads_checkpoints()  # --load, where megatron-core has no Apex or TE
     # a hot-swap's resumed iteration draws what it drew; a survivor keeps its data loaders
     upstream.data_iterators_for_hot_swaps(KeptLoaders(), lambda: _serving().counts_carried)
-    upstream.logs_resumed_loops_as_one(lambda: _serving().loop_resumed)
+    upstream.logs_resumed_loops_as_one(lambda: _serving().resumed_sums(),
+                                       lambda i, sums: _serving().logged(i, sums))  # fmt: skip
     upstream.evaluations_reported(lambda i: _serving().evaluation_starts(i),
                                   lambda i: _serving().evaluation_ended(i))  # fmt: skip
 

@@ -18,6 +18,7 @@ from deadpool_megatron.megatron.upstream_loop import (
     Batches,
     Counts,
     EvaluationRecord,
+    LoggedSums,
     LoopCounts,
     ends_after,
     evaluate_again,
@@ -201,6 +202,25 @@ def test_loop_counts_follow_a_batch_size_ramp_as_megatron_lms_loop_walks_it():
                        before=there.before, batches=batches, valid_per_evaluation=0,
                        eval_interval=0)  # fmt: skip
     assert later.at(9) == there and later.at(14) == loop.at(14)
+
+
+def test_logged_sums_keep_copies_of_the_last_iterations_sums():
+    # Megatron-LM's training_log changes its dict in place each iteration (and empties it at
+    # a printed line): what is kept, and what is given, are copies of it.
+    sums = {"lm loss": [1.5], "advanced iterations": 1}
+    logged = LoggedSums(lambda d: {k: list(v) if isinstance(v, list) else v for k, v in d.items()})
+    logged.logged(1, sums)
+    sums["lm loss"].append(2.5)
+    sums["advanced iterations"] = 2
+    logged.logged(2, sums)
+    assert logged.after(1) == {"lm loss": [1.5], "advanced iterations": 1}
+    given = logged.after(2)
+    given["lm loss"].append(9.0)  # the resumed loop's training_log adds to what it is given
+    assert logged.after(2) == {"lm loss": [1.5, 2.5], "advanced iterations": 2}
+    for iteration in range(3, 8):
+        logged.logged(iteration, sums)
+    assert logged.after(3) is None and logged.after(4) is not None  # the last KEEP (4) only
+    assert logged.after(99) is None
 
 
 def test_an_evaluation_is_cut_short_where_it_was_due_after_the_restored_iteration_and_unfinished():
