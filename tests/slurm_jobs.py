@@ -49,12 +49,12 @@ def submit(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, nodes: int, spare
 
 
 def submit_join(slurm: SlurmCluster, tmp_path: Path, run_dir: Path, job: str,
-                nodes: int = 1) -> str:  # fmt: skip
+                nodes: int = 1, env: dict[str, str] | None = None) -> str:  # fmt: skip
     """Submit scripts/slurm/join.sbatch on CPU for `nodes` node(s) joining Slurm job `job`
     (whose run directory is `run_dir`), its batch output in tmp_path/join.out; returns its id.
-    Without the session's zygote, as `submit` without one."""
+    Without the session's zygote, as `submit` without one; `env`: more of its environment."""
     full = dict({k: v for k, v in slurm.env.items() if k != ENV_FORK_ZYGOTE}, DEADPOOL_GPU="0",
-                DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir))  # fmt: skip
+                DEADPOOL_HOME=str(ROOT), DEADPOOL_RUN_DIR=str(run_dir), **(env or {}))  # fmt: skip
     done = slurm.run(
         "env", "-u", ENV_FORK_ZYGOTE, *(f"{k}={v}" for k, v in full.items() if k != "SLURM_CONF"),
         "sbatch", "--parsable", "--constraint=", "--gpus-per-node=0", f"--nodes={nodes}",
@@ -96,3 +96,8 @@ def lose_node(job_id: str, node: int) -> list[psutil.Process]:
 def node_logs(run_dir: Path) -> str:
     """Every node agent's log under the Slurm script's run directory, in node order."""
     return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("node-*.log")))
+
+
+def join_logs(run_dir: Path) -> str:
+    """What the agents of join.sbatch jobs logged in `run_dir`."""
+    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("join-*.log")))

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from megatron_lm_jobs import DP4, MODEL, printed_lines, python_first, run
 from slurm_cluster import start_cluster
-from slurm_jobs import lose_node, node_logs, submit, wait_for_iteration
+from slurm_jobs import join_logs, lose_node, node_logs, submit, submit_join, wait_for_iteration
 
 from deadpool_megatron.metrics import read_metrics
 from jobs import JOB_TIMEOUT_S, ROOT
@@ -301,3 +301,50 @@ def test_upstream_under_sbatch_hot_swaps_a_lost_node_onto_the_spare_node_bitwise
     assert re.search(r"spare \d+ claimed: takes over rank [23] in generation 1", logs), logs[-6000:]
     got, got_final = read_metrics(str(metrics))
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_under_sbatch_a_node_that_joins_the_job_takes_over_a_lost_node_bitwise(
+    megatron_lm, slurm, tmp_path
+):
+    # The job on two nodes of two processes and no spare node, so a lost node would end it;
+    # then scripts/slurm/join.sbatch JOBID on the cluster's third node: its agent joins as
+    # node 2 and starts Megatron-LM's spares (2000, 2001) while the job trains. Node 1 is
+    # lost whole, and the joined node's spares take ranks 2 and 3 over (DP4, 800 iterations
+    # of about 45 ms: the joined spares' set-up took 240 of them here, 2026-12-07).
+    longer = [*DP4, "--train-iters", "800"]
+    losses, final, _ = run(megatron_lm, tmp_path, "failure_free_join", longer)
+    run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    env = {"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent)}
+    job = submit(
+        slurm, tmp_path, run_dir, 2, 0,
+        [*MODEL, *longer, "--deadpool-node-timeout", "5", "--deadpool-metrics-jsonl",
+         str(metrics)], zygote=False, nproc=2, env=env,
+    )  # fmt: skip
+    wait_for_iteration(tmp_path, metrics, 2, JOB_TIMEOUT_S)
+    joining = submit_join(slurm, tmp_path, run_dir, job, env={"PATH": env["PATH"]})
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not _joined(run_dir):
+        assert time.monotonic() < deadline, node_logs(run_dir)[-6000:] + join_logs(run_dir)
+        time.sleep(0.1)
+    ready_at = max(read_metrics(str(metrics))[0])
+    assert ready_at < 700, f"the job trained on to {ready_at} before the joined node was ready"
+    lose_node(job, 1)
+    state = slurm.wait_job(job, 2 * JOB_TIMEOUT_S)
+    joined_state = slurm.wait_job(joining, 120)
+    out = (tmp_path / "batch.out").read_text() + (tmp_path / "join.out").read_text()
+    logs = node_logs(run_dir) + join_logs(run_dir)
+    assert (state, joined_state) == ("COMPLETED", "COMPLETED"), out + logs[-6000:]
+    assert f"its node(s) served job {job} until it ended" in out
+    assert {m.group(1) for m in re.finditer(r"spare (\d+) claimed: takes over rank [23] in "
+                                             r"generation 1", logs)} == {"2000", "2001"}  # fmt: skip
+    got, got_final = read_metrics(str(metrics))
+    assert got == losses and got_final["state_digest"] == final["state_digest"]
+    print(f"the joined node's spares were ready at iteration {ready_at}")
+
+
+def _joined(run_dir: Path) -> bool:
+    """The joined node's spares registered, and both launched nodes' agents watch it."""
+    joined = join_logs(run_dir)
+    if not all(f"spare {s} registered" in joined for s in (2000, 2001)):
+        return False
+    return node_logs(run_dir).count("node 2 joined the job as a spare node") == 2

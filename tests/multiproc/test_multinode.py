@@ -16,7 +16,7 @@ import pytest
 from etcd_server import count_keys, start_etcd_cluster
 from nodes import result, start_nodes
 from slurm_cluster import start_cluster
-from slurm_jobs import lose_node, node_logs, submit, submit_join, wait_for_iteration
+from slurm_jobs import join_logs, lose_node, node_logs, submit, submit_join, wait_for_iteration
 
 from deadpool_megatron.control import keys
 from deadpool_megatron.events import read_events
@@ -124,7 +124,7 @@ def test_sbatch_a_node_that_joins_the_running_job_takes_over_a_lost_node(
     state = slurm.wait_job(job, 300)
     joined_state = slurm.wait_job(joining, 120)
     out = (tmp_path / "batch.out").read_text() + (tmp_path / "join.out").read_text()
-    logs = node_logs(run_dir) + _join_logs(run_dir)
+    logs = node_logs(run_dir) + join_logs(run_dir)
     assert (state, joined_state) == ("COMPLETED", "COMPLETED"), out + logs[-6000:]
     assert f"its node(s) served job {job} until it ended" in out
     losses, final = read_metrics(str(metrics))
@@ -134,13 +134,9 @@ def test_sbatch_a_node_that_joins_the_running_job_takes_over_a_lost_node(
     assert all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in victims)
 
 
-def _join_logs(run_dir) -> str:
-    return "\n".join(f.read_text(errors="replace") for f in sorted(run_dir.glob("join-*.log")))
-
-
 def _sbatch_joined(run_dir, joining: str) -> bool:
     """The joined node's spares registered, and every launched node's agent watches it."""
-    joined = _join_logs(run_dir)
+    joined = join_logs(run_dir)
     if not all(f"spare {s} registered" in joined for s in (3000, 3001)):
         return False
     return node_logs(run_dir).count("node 3 joined the job as a spare node") == 3
