@@ -412,9 +412,11 @@ NPROC = {"moe_expert_tensor_parallel_1": 8}  # the other configurations: 4 ranks
         # iterations without an overflow, halved after two with one (7 and 8, 12 skipped);
         # rank 1 dies in iteration 6 (rolled back to 5, a growth due at 6): the spare's
         # scale and growth tracker come with the snapshot (without them, iteration 8's loss
-        # differed). PP2 x DP2
+        # differed). PP2 x DP2, with Megatron-LM's manual garbage collection (automatic
+        # collection off, one every 5 iterations), which large jobs turn on
         ("fp16_loss_scale", ["--fp16", "--initial-loss-scale", "131072",
-                             "--loss-scale-window", "3"], "kill@1:6"),
+                             "--loss-scale-window", "3", "--manual-gc", "--manual-gc-interval",
+                             "5"], "kill@1:6"),
         # the optimizer sharded within two instances of DP2 each, the grads all-reduced across
         # them in torch's coalescing manager (DP4; needs einops)
         ("distributed_optimizer_instances", [*DP4, "--num-distributed-optimizer-instances",
