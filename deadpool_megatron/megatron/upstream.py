@@ -409,7 +409,6 @@ def _batches(args) -> Batches:
     from megatron.training import training
 
     calculator = copy.deepcopy(microbatches._GLOBAL_NUM_MICROBATCHES_CALCULATOR)
-    steady = -1 if args.rampup_batch_size is None else getattr(calculator, "ramup_samples", None)
     flops: dict[int, float] = {}
 
     def at(consumed: int) -> tuple[int, int]:
@@ -422,7 +421,19 @@ def _batches(args) -> Batches:
             flops[trained] = training.num_floating_point_operations(args, trained)
         return flops[trained]
 
-    return Batches(at, steady, of)
+    return Batches(at, _steady_from(calculator), of)
+
+
+def _steady_from(calculator) -> int | None:
+    """The samples consumed past which the calculator's batch no longer changes: -1 for a
+    constant batch, the ramp's samples for core_v0.16.1's --rampup-batch-size, the last
+    threshold's for core_v0.19's --step-batch-size-schedule; None where not known."""
+    if type(calculator).__name__ == "ConstantNumMicroBatchesCalculator":
+        return -1
+    if hasattr(calculator, "ramup_samples"):  # sic, megatron-core's spelling
+        return int(calculator.ramup_samples)
+    schedule = getattr(calculator, "schedule", None)
+    return int(schedule[-1][0]) - 1 if schedule else None
 
 
 def loop_counts(before: int | None) -> LoopCounts:
@@ -476,7 +487,8 @@ def batch_changes_after(args, batches: Batches) -> bool:
     before the loop counts its samples)."""
     from megatron.core.num_microbatches_calculator import get_current_running_global_batch_size
 
-    if args.rampup_batch_size is None:
+    steady = batches.steady_from
+    if steady is not None and args.consumed_train_samples > steady:  # constant from here on
         return False
     trained = get_current_running_global_batch_size()
     return batches.at(args.consumed_train_samples + trained)[0] != trained

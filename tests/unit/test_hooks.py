@@ -312,3 +312,25 @@ def test_the_patch_series_adds_only_calls_into_deadpool():
 def test_fully_sharded_data_parallel_is_left_alone_without_deadpool():
     cfg = parse_job_config([*BASE, "--use-megatron-fsdp"], 4)  # a checkpoint-restart job's
     assert not cfg.deadpool.deadpool
+
+
+def test_the_batch_is_steady_where_megatron_cores_calculators_stop_changing_it():
+    # past it, LoopCounts.at multiplies instead of walking, and no ramp step is looked for
+    from megatron.core.num_microbatches_calculator import (
+        ConstantNumMicroBatchesCalculator,
+        RampupBatchsizeNumMicroBatchesCalculator,
+    )
+
+    from deadpool_megatron.megatron.upstream import _steady_from
+
+    assert _steady_from(ConstantNumMicroBatchesCalculator(32, 2, 4, False, 1)) == -1
+    ramp = RampupBatchsizeNumMicroBatchesCalculator(32, 2, 4, False, 1, 8, 8, 100)
+    assert _steady_from(ramp) == 100
+    ramp.update(99, consistency_check=False)
+    assert ramp.get_current_global_batch_size() == 24  # still ramping
+    for consumed in (101, 10**6):  # past the ramp's samples: the final batch for good
+        ramp.update(consumed, consistency_check=False)
+        assert ramp.get_current_global_batch_size() == 32
+    # core_v0.19's step schedule: (threshold, batch) pairs, the last batch from its threshold
+    assert _steady_from(SimpleNamespace(schedule=[(0, 8), (50, 16), (120, 32)])) == 119
+    assert _steady_from(object()) is None  # unknown: walked iteration by iteration
