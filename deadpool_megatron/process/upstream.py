@@ -30,7 +30,15 @@ from ..control.c10d import StoppableStore, poll_cap
 from ..control.context import JobContext
 from ..events import CHECKPOINT_LOADED
 from ..failure.progress import ProgressBoard
-from ..megatron import checkpointing, cpu_backend, parallel, upstream, upstream_args, wandb_run
+from ..megatron import (
+    checkpointing,
+    cpu_backend,
+    parallel,
+    upstream,
+    upstream_args,
+    upstream_counts,
+    wandb_run,
+)
 from ..megatron.checkpointing import materialize_optimizer_state
 from ..megatron.digest import state_digest
 from ..megatron.loaders import KeptLoaders
@@ -80,7 +88,7 @@ class LoopPosition:
         self, state: TrainState, iteration: int, pipeline: ProtectionPipeline | None = None
     ) -> None:
         self.state, self.iteration, self.pipeline = state, iteration, pipeline
-        upstream.set_position(iteration)
+        upstream_counts.set_position(iteration)
 
 
 @dataclass
@@ -135,7 +143,7 @@ class UpstreamSession(ProtectedLoop):
         self.counts_carried = False  # this set-up's counts are a hot-swap's (exact)
         self._carried_before = 0  # their samples consumed before the restored iteration
         # training_log's sums after the last iterations, and those a resumed loop starts from
-        self._logged = LoggedSums(upstream.copy_sums)
+        self._logged = LoggedSums(upstream_counts.copy_sums)
         self._resumed_sums: dict | None = None
         # this set-up's loop goes on after a restored iteration (not the job's start)
         self.loop_resumed = False
@@ -308,7 +316,8 @@ class UpstreamSession(ProtectedLoop):
         if self._began is not None:
             mine["began"] = float(self._began)
         sums = self._logged.after(iteration)
-        if sums is not None and upstream.on_last_stage():  # its sums are the printing rank's
+        # a last-stage rank's sums are those of the rank that prints
+        if sums is not None and upstream_counts.on_last_stage():
             mine["sums_from"] = float(dist.get_rank())
         if counts is not None:
             cut = float(self._evaluations.cut_short(iteration))
@@ -321,15 +330,17 @@ class UpstreamSession(ProtectedLoop):
         at = Counts(max(got["flops"], 0.0), *(max(int(got[f]), 0) for f in Counts._fields[1:]))
         self._began = max(int(got["began"]), 0)
         if iteration > self._began and got["sums_from"] >= 0:  # a claimed spare gets them
-            sent = [upstream.sums_to_host(sums) if sums is not None else None]
+            sent = [upstream_counts.sums_to_host(sums) if sums is not None else None]
             dist.broadcast_object_list(sent, src=int(got["sums_from"]), group=host)
-            self._resumed_sums = sums if sums is not None else upstream.sums_from_host(sent[0])
+            self._resumed_sums = (
+                sums if sums is not None else upstream_counts.sums_from_host(sent[0])
+            )
         if evaluate_again(*(bool(got[f]) for f in ("cut", "last_kept", "last_cut"))):
             valid = self._evaluate_after(iteration, at.valid_samples, int(got["per_evaluation"]))
             at = at._replace(valid_samples=valid)
         # the calculator as the loop without the failure had it after `iteration` (a ramp
         # step before the next is met as that loop met it); at the job's start as it began
-        upstream.set_counts(at, resumed=iteration > self._began)
+        upstream_counts.set_counts(at, resumed=iteration > self._began)
         self._carried_before = at.before
         self.counts_carried = True
 
@@ -422,7 +433,7 @@ class UpstreamSession(ProtectedLoop):
         self._step_started = time.perf_counter()
         if not self._loop_started:  # this set-up's loop starts: what it counts from
             before = self._carried_before if self.counts_carried else None
-            self._counts, self._loop_started = upstream.loop_counts(before), True
+            self._counts, self._loop_started = upstream_counts.loop_counts(before), True
             self.counts_carried = False
         self._log_flush.request()  # the previous iteration's scalars (log_flush.py says why)
         super().before_step(iteration)
@@ -440,7 +451,7 @@ class UpstreamSession(ProtectedLoop):
 
         args = get_args()
         slow = slow_work_after(
-            args, iteration, upstream.batch_changes_after(args, self._counts.batches)
+            args, iteration, upstream_counts.batch_changes_after(args, self._counts.batches)
         )
         last = ends_after(args, iteration)  # what pretrain() does next is its end
         self._evaluations.after_step(iteration, slow == "evaluate")

@@ -321,7 +321,7 @@ def test_the_batch_is_steady_where_megatron_cores_calculators_stop_changing_it()
         RampupBatchsizeNumMicroBatchesCalculator,
     )
 
-    from deadpool_megatron.megatron.upstream import _steady_from
+    from deadpool_megatron.megatron.upstream_counts import _steady_from
 
     assert _steady_from(ConstantNumMicroBatchesCalculator(32, 2, 4, False, 1)) == -1
     ramp = RampupBatchsizeNumMicroBatchesCalculator(32, 2, 4, False, 1, 8, 8, 100)
