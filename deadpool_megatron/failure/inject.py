@@ -35,7 +35,8 @@ BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in thei
 # `evaluate`: as Megatron-LM's evaluation after ITER begins (ITER a multiple of its
 # --eval-interval), once ITER is protected; our pretrain_gpt.py does not evaluate.
 # `finish`: after the rank's training loop, final save and agreed replication stop, just before
-# it exits: only a kill, at the last iteration (a death after the job's last collective).
+# it exits: only a kill, at the last iteration (a death after the job's last collective: it
+# waits until every rank has got there, see companions).
 # `setup`: during the process's set-up (groups up and the model built; in our pretrain_gpt.py
 # before --load's checkpoint is read, in Megatron-LM's after), which comes before any
 # iteration: ITER is 0, and only there.
@@ -165,18 +166,34 @@ def faults_at(faults: Iterable[Fault], iteration: int, phase: str, rank: int) ->
     )
 
 
-def companions(faults: Iterable[Fault], fault: Fault) -> tuple[int, ...]:
+def companions(
+    faults: Iterable[Fault], fault: Fault, world_size: int | None = None
+) -> tuple[int, ...]:
     """The other ranks to be killed or hung at `fault`'s iteration and phase: they fail
     together with it (each waits for the others to be there), as the processes of a node do.
     Without that, the first to die would start a recovery that stops the others before they
-    got there, and they would fail only in the replay."""
+    got there, and they would fail only in the replay. A kill at phase finish waits for every
+    rank of the job (`world_size`): it is a death after the job's last collective, and a rank
+    still in it (the final digest's gather) would be cut off by the recovery it starts."""
     if fault.action not in TOGETHER_ACTIONS:
         return ()
+    if fault.phase == "finish" and world_size is not None:
+        return tuple(r for r in range(world_size) if r != fault.target)
     return tuple(sorted({
         f.target for f in faults
         if f.action in TOGETHER_ACTIONS and not f.on_spare and f.target != fault.target
         and (f.iteration, f.phase) == (fault.iteration, fault.phase)
     }))  # fmt: skip
+
+
+def awaited_at(faults: Iterable[Fault], iteration: int, phase: str, rank: int) -> Fault | None:
+    """A kill of another rank that waits for `rank` to get to (`iteration`, `phase`), which
+    `rank` must say it reached: a finish kill waits for every rank (companions)."""
+    for f in faults:
+        if (f.phase == "finish" == phase and f.iteration == iteration and not f.on_spare
+                and f.target != rank):  # fmt: skip
+            return f
+    return None
 
 
 def spare_kills_at(faults: Iterable[Fault], iteration: int) -> tuple[int, ...]:

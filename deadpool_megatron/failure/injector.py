@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import DeadpoolError
-from .inject import Fault, companions, faults_at
+from .inject import Fault, awaited_at, companions, faults_at
 
 log = logging.getLogger("deadpool.inject")
 
@@ -60,6 +60,7 @@ class FaultInjector:
         claim: Callable[[Fault], bool] | None = None,
         slow_s: float = 6.0,
         together: Callable[[Fault, tuple[int, ...]], tuple[int, ...]] | None = None,
+        world_size: int | None = None,
     ):
         self.slow_s = slow_s  # how long a slow@ phase lasts
         self.faults = tuple(f for f in faults if not f.on_spare and f.target == rank)
@@ -68,6 +69,7 @@ class FaultInjector:
         # and returns those that never came; None: each strikes when it gets there.
         self._together = together
         self.rank = rank
+        self.world_size = world_size  # a finish kill waits for every rank (companions)
         self._report = report
         # Once per job, not per process: the spare that takes this rank over replays the
         # failed iteration and must not fail again (the launcher's store arbitrates).
@@ -85,7 +87,11 @@ class FaultInjector:
         """Called at each phase of each iteration; does nothing unless a fault is due.
         True when the caller must corrupt what it is about to send (corrupt@)."""
         corrupt = False
-        for fault in faults_at(self.faults, iteration, phase, self.rank):
+        mine = faults_at(self.faults, iteration, phase, self.rank)
+        awaited = awaited_at(self._all, iteration, phase, self.rank)
+        if awaited is not None and not mine and self._together is not None:
+            self._together(awaited, ())  # say this rank got there; wait for nobody
+        for fault in mine:
             if fault.action == "bug":  # every time: neither claimed nor remembered
                 self._report(fault, time.time())
                 log.warning("injecting %s", fault)
@@ -95,7 +101,7 @@ class FaultInjector:
             self._fired.add(fault)
             if self._claim is not None and not self._claim(fault):
                 continue
-            others = companions(self._all, fault)
+            others = companions(self._all, fault, self.world_size)
             if others and self._together is not None:
                 missing = self._together(fault, others)
                 if missing:

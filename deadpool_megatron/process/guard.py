@@ -150,6 +150,7 @@ def _injector(cfg: JobConfig, env: ProcessEnv, report, claim, together=None) -> 
     return FaultInjector(
         parse_faults(cfg.deadpool.deadpool_inject or ""), env.rank, report, claim,
         slow_s=3 * cfg.deadpool.deadpool_heartbeat_timeout, together=together,
+        world_size=env.world_size,
     )  # fmt: skip
 
 

@@ -319,7 +319,7 @@ def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_
     assert job.losses == baseline.losses and job.digest == baseline.digest
     events = read_events(str(log))
     (unneeded,) = _named(events, "recovery_unneeded")
-    assert unneeded["failed"] == [5] and unneeded["finished"] == [0, 1, 2, 3, 4]
+    assert unneeded["failed"] == [5] and unneeded["finished"] == [0, 1, 2, 3, 4], job.failure()
     assert not _named(events, "spare_claimed") and not _named(events, "recovery_done")
     ended = _named(events, "job_ended")
     assert len(ended) == 3 and all(e["status"] == 0 for e in ended), ended

@@ -221,3 +221,37 @@ def test_a_kill_with_companions_waits_for_them_before_it_strikes(monkeypatch):
     injector.fire(5, "optimizer")
     assert order == [("together", "kill@1:5:optimizer", (2,)), ("report", "kill@1:5:optimizer"),
                      ("kill", injector_module.signal.SIGKILL)]  # fmt: skip
+
+
+def test_a_kill_after_the_last_iteration_waits_for_every_rank_to_finish_first(monkeypatch):
+    # A kill at phase finish is a death after the job's last collective: it waits for every
+    # rank to get there, as every rank says it did (CI: rank 5 died while ranks 0-4 were still
+    # in the final digest's gather, which the recovery it started then cut: all exited 1).
+    from deadpool_megatron.failure import injector as injector_module
+    from deadpool_megatron.failure.inject import awaited_at, companions
+
+    faults = parse_faults("kill@5:14:finish,raise@0:14:forward")
+    kill = Fault("kill", 5, 14, "finish")
+    assert companions(faults, kill, world_size=6) == (0, 1, 2, 3, 4)
+    assert companions(faults, kill) == ()  # the world's size unknown: nobody to wait for
+    assert awaited_at(faults, 14, "finish", 2) == kill
+    assert awaited_at(faults, 14, "finish", 5) is None  # the victim waits, says nothing more
+    assert awaited_at(faults, 13, "finish", 2) is None
+    assert awaited_at(faults, 14, "forward", 2) is None
+
+    calls = []
+    monkeypatch.setattr(injector_module.os, "kill", lambda pid, sig: calls.append(("kill", sig)))
+
+    def injector(rank):
+        return injector_module.FaultInjector(
+            faults, rank, lambda f, at: calls.append(("report", rank)),
+            together=lambda f, others: calls.append(("together", rank, str(f), others)) or (),
+            world_size=6,
+        )  # fmt: skip
+
+    injector(2).fire(14, "finish")  # a bystander says it got there and goes on
+    assert calls == [("together", 2, "kill@5:14:finish", ())]
+    calls.clear()
+    injector(5).fire(14, "finish")  # the victim waits for all five, then dies
+    assert calls == [("together", 5, "kill@5:14:finish", (0, 1, 2, 3, 4)), ("report", 5),
+                     ("kill", injector_module.signal.SIGKILL)]  # fmt: skip
