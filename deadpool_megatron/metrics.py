@@ -54,7 +54,7 @@ class MetricsWriter:
             }
         )
 
-    def final(self, iteration: int, state_digest: str) -> None:
+    def final(self, iteration: int, state_digest: str | None) -> None:
         self._write({"event": "final", "iteration": iteration, "state_digest": state_digest})
 
     def _write(self, record: dict) -> None:

@@ -220,7 +220,7 @@ def validate_deadpool(cfg: JobConfig, dp: int, eval_interval: int | None = None)
                 f"--deadpool-inject {fault}: phase {fault.phase} strikes inside our "
                 "pretrain_gpt.py's training step; Megatron-LM's train_step has no hook there, so "
                 "the fault would never fire: use forward (the iteration's start), snapshot, "
-                "replicate, save, evaluate or finish",
+                "replicate, save, evaluate, digest or finish",
             )
     _require(
         dpc.deadpool_spare_prebuild >= 0,

@@ -25,8 +25,9 @@ ACTIONS = ("kill", "hang", "raise", "unhealthy", "slow", "corrupt", "stall", "bu
 SPARE_ACTIONS = ("kill-spare",)
 PHASES = (
     "forward", "backward", "optimizer", "snapshot", "replicate", "recovery", "save", "evaluate",
-    "finish", "setup", "launch", "groups",
+    "finish", "setup", "launch", "groups", "digest",
 )  # fmt: skip
+AFTER_TRAINING = ("digest", "finish")  # kills only, at the last iteration
 # `forward`, the start of the iteration, is the default: a fault at ITER then means iteration
 # ITER never completes, so the last committed iteration is ITER - 1, easy to check in tests.
 DEFAULT_PHASE = "forward"
@@ -37,6 +38,9 @@ BEFORE_TRAINING = ("launch", "groups", "setup")  # the phases of ITER 0, in thei
 # `finish`: after the rank's training loop, final save and agreed replication stop, just before
 # it exits: only a kill, at the last iteration (a death after the job's last collective: it
 # waits until every rank has got there, see companions).
+# `digest`: after the rank's training loop and final save, as the final state digest is about to
+# be gathered (the other ranks wait in that gather for it): only a kill, at the last iteration
+# (a death in the job's last second: training and its final save are whole).
 # `setup`: during the process's set-up (groups up and the model built; in our pretrain_gpt.py
 # before --load's checkpoint is read, in Megatron-LM's after), which comes before any
 # iteration: ITER is 0, and only there.
@@ -51,7 +55,8 @@ GRAMMAR = (
     "unhealthy@RANK:ITER[:PHASE], slow@RANK:ITER[:PHASE], stall@RANK:ITER[:PHASE], "
     "bug@RANK:ITER[:PHASE] "
     f"(PHASE: {'|'.join(PHASES)}; default {DEFAULT_PHASE}), corrupt@RANK:ITER (phase replicate), "
-    "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST; "
+    "kill-spare@INDEX:ITER; kill@RANK:LAST:finish kills after the last iteration LAST, "
+    "kill@RANK:LAST:digest as its final state digest is gathered; "
     "ACTION@RANK:0:setup strikes during the set-up, before iteration 1; "
     "kill@RANK:0:launch (or hang@) strikes a rank before it registers with the job; "
     "ACTION@RANK:0:groups strikes as its process groups are created; "
@@ -92,8 +97,8 @@ def parse_fault(
     spec: str, world_size: int | None = None, spares: int | None = None,
     last_iteration: int | None = None,
 ) -> Fault:  # fmt: skip
-    """One SPEC; ranks, spare indexes and a finish fault's iteration are checked only against
-    the sizes given."""
+    """One SPEC; ranks, spare indexes and an after-training fault's iteration are checked only
+    against the sizes given."""
     m = _SPEC.match(spec)
     if m is None:
         raise _bad(spec, "not of the form ACTION@TARGET:ITER[:PHASE]")
@@ -124,11 +129,11 @@ def parse_fault(
         phase = DEFAULT_PHASE
     elif phase not in PHASES:
         raise _bad(spec, f"unknown phase {phase!r}")
-    if phase == "finish":
+    if phase in AFTER_TRAINING:
         if action != "kill":
-            raise _bad(spec, f"{action} cannot act after training: only kill takes phase finish")
+            raise _bad(spec, f"{action} cannot act after training: only kill takes phase {phase}")
         if last_iteration is not None and iteration != last_iteration:
-            raise _bad(spec, f"phase finish comes after the last iteration, {last_iteration}, "
+            raise _bad(spec, f"phase {phase} comes after the last iteration, {last_iteration}, "
                        f"not after {iteration}")  # fmt: skip
     if world_size is not None and target >= world_size:
         raise _bad(spec, f"rank {target} out of range: world size is {world_size}")

@@ -9,10 +9,13 @@ parameters and every state tensor (step, exp_avg, exp_avg_sq), in rank order.
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import torch
 
 from .exchange import all_gather_bytes
+
+log = logging.getLogger("deadpool.training")
 
 
 def inner_optimizers(optimizer) -> list:
@@ -57,4 +60,20 @@ def local_digest(model: list, optimizer) -> str:
 def state_digest(model: list, optimizer) -> str:
     """Collective over the default group: every rank gets the same job-wide digest."""
     everyone = all_gather_bytes(local_digest(model, optimizer).encode())
+    return hashlib.sha256(b"".join(everyone)).hexdigest()
+
+
+def final_digest(model: list, optimizer, iteration: int) -> str | None:
+    """`state_digest` once training has ended, its final save committed (its last barrier
+    comes after the tracker's write); None when the gather fails because a rank was lost
+    since (or a recovery that loss ordered cut it): nothing of the training is lost, so the
+    job ends as finished, without the check, rather than as failed."""
+    mine = local_digest(model, optimizer).encode()
+    try:
+        everyone = all_gather_bytes(mine)
+    except RuntimeError as err:  # gloo's and NCCL's errors, a peer's loss or a cut
+        log.warning("training finished at iteration %d, but a rank was lost before the final "
+                    "state digest was gathered: no digest (%s)", iteration,
+                    (str(err).splitlines() or [type(err).__name__])[0][:200])  # fmt: skip
+        return None
     return hashlib.sha256(b"".join(everyone)).hexdigest()

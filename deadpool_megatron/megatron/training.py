@@ -24,7 +24,7 @@ from ..metrics import MetricsWriter, iteration_line
 from ..validation import data_parallel_size
 from . import checkpointing, gloo_ops
 from .data import build_corpus, get_micro_batch, micro_batch_indices
-from .digest import state_digest
+from .digest import final_digest
 from .model import TrainState
 
 log = logging.getLogger("deadpool.train")
@@ -277,8 +277,8 @@ class Trainer:
             f"replica lag max {p.stats.lag_max}, errors {len(p.errors)}"
         )
 
-    def finish(self) -> str:
-        digest = state_digest(self.state.model, self.state.optimizer)
+    def finish(self) -> str | None:
+        digest = final_digest(self.state.model, self.state.optimizer, self.iteration)
         if self.is_logging_rank:
             self.metrics.final(self.iteration, digest)
             log.info("training finished at iteration %d, state_digest %s", self.iteration, digest)

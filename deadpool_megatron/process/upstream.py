@@ -40,7 +40,7 @@ from ..megatron import (
     wandb_run,
 )
 from ..megatron.checkpointing import materialize_optimizer_state
-from ..megatron.digest import state_digest
+from ..megatron.digest import final_digest
 from ..megatron.loaders import KeptLoaders
 from ..megatron.log_flush import Flusher
 from ..megatron.model import TrainState, train_state
@@ -229,7 +229,8 @@ class UpstreamSession(ProtectedLoop):
     def _finish(self) -> None:
         p = self.position
         self.after_training(p.iteration)  # pretrain() ended, its final save included
-        digest = state_digest(p.state.model, p.state.optimizer)
+        self.inject(p.iteration, "digest")  # kill@RANK:LAST:digest: a death in the last second
+        digest = final_digest(p.state.model, p.state.optimizer, p.iteration)
         if self.metrics is not None:
             self.metrics.final(p.iteration, digest)
             self.metrics.close()

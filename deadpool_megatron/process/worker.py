@@ -179,7 +179,7 @@ def run_worker(
             except RecoveryFailed as lost:
                 return _cannot_recover(guard, lost)
     progress.mark(trainer.iteration, "finish")
-    _finish(cfg, trainer)
+    _finish(cfg, trainer, session.inject)
     session.inject(trainer.iteration, "finish")  # kill@RANK:LAST:finish: a death after the end
     if watcher is not None:
         watcher.stop()
@@ -266,11 +266,12 @@ def _start(
     return trainer
 
 
-def _finish(cfg: JobConfig, trainer: Trainer) -> None:
+def _finish(cfg: JobConfig, trainer: Trainer, inject: Callable[[int, str], None]) -> None:
     """After training and its final save (Trainer.train): stop protecting, release."""
     if trainer.pipeline is not None:
         trainer.pipeline.close()
         log.info("protection: %s", trainer.protection_summary())
+    inject(trainer.iteration, "digest")  # kill@RANK:LAST:digest: a death in the last second
     trainer.finish()
     checkpointing.release_writer_processes()
     parallel.destroy_distributed()

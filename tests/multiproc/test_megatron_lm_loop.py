@@ -193,6 +193,18 @@ def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recov
     assert exited_final["state_digest"] == free_final["state_digest"]
     assert "injecting kill@1:8:finish" in output and "spare 0 claimed" not in output
     assert "rank(s) [0, 2, 3] finished training before rank(s) [1] failed" in output
+    # Rank 1 killed before the final state digest's gather (phase digest): the others wait in
+    # it until the recovery's order cuts it, log that no digest was gathered and exit 0; the
+    # job ends as finished, its final record without a digest.
+    cut_losses, cut_final, output = run(
+        megatron_lm, tmp_path, "exit_digest",
+        ["--exit-interval", "8", "--deadpool-inject", "kill@1:8:digest"],
+    )  # fmt: skip
+    assert cut_losses == free_losses
+    assert cut_final["iteration"] == 8 and cut_final["state_digest"] is None
+    assert "injecting kill@1:8:digest" in output and "spare 0 claimed" not in output
+    assert "a rank was lost before the final state digest was gathered" in output
+    assert "rank(s) [0, 2, 3] finished training before rank(s) [1] failed" in output
 
 
 def _signalledrun(

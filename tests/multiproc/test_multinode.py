@@ -301,14 +301,21 @@ def test_a_rank_killed_in_its_set_up_on_another_node_is_set_up_again_with_a_spar
     assert "every rank sets up again from the start" in nodes.all_output()
 
 
+@pytest.mark.parametrize("phase", ["finish", "digest"])
 def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_as_finished(
-    tmp_path, baseline
+    tmp_path, baseline, phase
 ):
-    # Rank 5 (node 2) is killed once it finished training; nodes 0 and 1 have finished, or
-    # finish while node 2's agent orders a recovery: each says its ranks finished (from its
-    # wait for the others, or following the recovery), no spare is claimed, all end with 0.
+    # A rank of node 2 is killed once it finished training: rank 5 at phase finish, once every
+    # rank is past the job's last collective; rank 4 at phase digest, before the final state
+    # digest's gather, which the other ranks then wait in until the recovery's order cuts it
+    # (rank 5, which logs the final record, says no digest was gathered). Nodes 0 and 1 have
+    # finished, or finish while node 2's agent orders a recovery: each says its ranks finished
+    # (from its wait for the others, or following the recovery), no spare is claimed, all end
+    # with 0.
+    victim = 5 if phase == "finish" else 4
     log = tmp_path / "events.jsonl"
-    args = [*SHAPE, "--deadpool-event-log", str(log), "--deadpool-inject", "kill@5:14:finish"]
+    args = [*SHAPE, "--deadpool-event-log", str(log),
+            "--deadpool-inject", f"kill@{victim}:14:{phase}"]  # fmt: skip
     nodes = start_nodes(tmp_path, 3, 0, NPROC, args, spares=1)
     try:
         rcs = nodes.wait(400)
@@ -316,10 +323,16 @@ def test_a_rank_that_dies_after_the_last_iteration_on_another_node_ends_the_job_
         nodes.stop()
     assert rcs == [0, 0, 0], result(nodes).failure()
     job = result(nodes)
-    assert job.losses == baseline.losses and job.digest == baseline.digest
+    assert job.losses == baseline.losses
+    if phase == "finish":
+        assert job.digest == baseline.digest
+    else:  # rank 4 never sent its part: nobody has the digest, and the last rank says so
+        assert job.final is not None and job.final["iteration"] == 14 and job.digest is None
+        assert "a rank was lost before the final state digest was gathered" in nodes.output(2)
     events = read_events(str(log))
     (unneeded,) = _named(events, "recovery_unneeded")
-    assert unneeded["failed"] == [5] and unneeded["finished"] == [0, 1, 2, 3, 4], job.failure()
+    others = [r for r in range(6) if r != victim]
+    assert unneeded["failed"] == [victim] and unneeded["finished"] == others, job.failure()
     assert not _named(events, "spare_claimed") and not _named(events, "recovery_done")
     ended = _named(events, "job_ended")
     assert len(ended) == 3 and all(e["status"] == 0 for e in ended), ended

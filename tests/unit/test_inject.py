@@ -35,7 +35,7 @@ def test_valid_specs_parse_in_order_with_the_default_phase():
 @pytest.mark.parametrize("phase", PHASES)
 def test_every_phase_round_trips(phase):
     # only a kill acts after training, or before the process registers
-    action = "kill" if phase in ("finish", "launch") else "hang"
+    action = "kill" if phase in ("finish", "digest", "launch") else "hang"
     iteration = 0 if phase in ("setup", "launch", "groups") else 9  # before any iteration
     (fault,) = parse_faults(f"{action}@2:{iteration}:{phase}")
     assert fault.phase == phase and parse_faults(str(fault)) == (fault,)
@@ -71,6 +71,7 @@ def test_empty_means_no_faults(text):
         ("corrupt@1:5:forward", "corrupt@1:5:forward", "its phase is replicate"),
         ("hang@1:5:finish", "hang@1:5:finish", "only kill takes phase finish"),
         ("raise@1:5:finish", "raise@1:5:finish", "only kill takes phase finish"),
+        ("hang@1:5:digest", "hang@1:5:digest", "only kill takes phase digest"),
     ],
 )
 def test_bad_specs_name_the_spec_and_show_the_grammar(text, bad, why):
@@ -101,6 +102,9 @@ def test_a_kill_after_training_must_name_the_last_iteration():
     with pytest.raises(ConfigError, match=r"'kill@1:39:finish'.*last iteration, 40, not after 39"):
         parse_faults("kill@1:39:finish", last_iteration=40)
     assert parse_faults("kill@1:39", last_iteration=40)  # other phases are not checked
+    with pytest.raises(ConfigError, match=r"'kill@1:39:digest'.*phase digest comes after the "
+                       r"last iteration, 40, not after 39"):  # fmt: skip
+        parse_faults("kill@1:39:digest", last_iteration=40)
 
 
 def test_a_fault_is_due_until_it_fired():
