@@ -344,8 +344,9 @@ def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_p
     # fast machine (40 iterations here take 8-36 s of training, about half that on CI) sees
     # both; the later ones fire only where training lasts that long. Each goes into a running
     # job (never into a recovery), and each is detected and timed in the generation it
-    # happened in. A fault that lands after a rank's last collective (a loaded machine) needs
-    # no recovery: the job ends as finished (test_a_death_during_the_final_save_...).
+    # happened in. A fault that lands after a rank's training (a loaded machine) needs no
+    # recovery: the job ends as finished (test_a_death_during_the_final_save_...), without
+    # the final digest when it came before the digest's gather.
     log = tmp_path / "events.jsonl"
     args = [*SHAPE, "--train-iters", "40", "--deadpool-chaos-mtbf", "4",
             "--deadpool-chaos-seed", "991", "--deadpool-event-log", str(log)]  # fmt: skip
@@ -354,7 +355,9 @@ def test_chaos_times_every_fault_and_records_the_generation_of_every_event(tmp_p
     events = read_events(str(log))
     unneeded = [e for e in events if e["event"] == "recovery_unneeded"]
     assert result.losses == baseline.losses
-    if not (unneeded and unneeded[0]["failed"] == [3]):  # rank 3 logs the final digest
+    if unneeded:  # after training: no digest if it hit rank 3 (which logs it) or the gather
+        assert result.digest in (None, baseline.digest)
+    else:
         assert result.digest == baseline.digest
     assert all(isinstance(e["generation"], int) for e in events), events
     injected = [e for e in events if e["event"] == "fault_injected"]
