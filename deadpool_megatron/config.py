@@ -253,8 +253,8 @@ class DeadpoolConfig:
         "starts), finish (kill only, ITER the last "
         "iteration: after RANK finished training, its final save and the replication's agreed "
         "stop, once every rank got there), digest (kill only, ITER the last iteration: after "
-        "the final save, as the final state digest is about to be gathered), setup (ITER 0, and only there: during RANK's set-up, its groups up and its "
-        "model built), launch (kill or hang, ITER 0: connected to the job's store, before RANK "
+        "the final save, as the final state digest is about to be gathered), setup (ITER 0, "
+        "and only there: during RANK's set-up, its groups up and its model built), launch (kill or hang, ITER 0: connected to the job's store, before RANK "
         "registers with it, as a death in its imports), groups (ITER 0: registered, as RANK's "
         "process groups are about to be created, its peers waiting for it in their rendezvous; "
         "in Megatron-LM's, just before pretrain()). Each fault fires once per job.",

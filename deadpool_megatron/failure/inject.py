@@ -182,7 +182,7 @@ def companions(
     still in it (the final digest's gather) would be cut off by the recovery it starts."""
     if fault.action not in TOGETHER_ACTIONS:
         return ()
-    if fault.phase == "finish" and world_size is not None:
+    if _waits_for_every_rank(fault) and world_size is not None:
         return tuple(r for r in range(world_size) if r != fault.target)
     return tuple(sorted({
         f.target for f in faults
@@ -195,10 +195,16 @@ def awaited_at(faults: Iterable[Fault], iteration: int, phase: str, rank: int) -
     """A kill of another rank that waits for `rank` to get to (`iteration`, `phase`), which
     `rank` must say it reached: a finish kill waits for every rank (companions)."""
     for f in faults:
-        if (f.phase == "finish" == phase and f.iteration == iteration and not f.on_spare
-                and f.target != rank):  # fmt: skip
+        if (_waits_for_every_rank(f) and (f.iteration, f.phase) == (iteration, phase)
+                and not f.on_spare and f.target != rank):  # fmt: skip
             return f
     return None
+
+
+def _waits_for_every_rank(fault: Fault) -> bool:
+    """A kill after the job's last collective (phase finish): it strikes once every rank got
+    there, so no rank is still in that collective when the recovery it starts cuts them."""
+    return fault.action in TOGETHER_ACTIONS and fault.phase == "finish"
 
 
 def spare_kills_at(faults: Iterable[Fault], iteration: int) -> tuple[int, ...]:

@@ -59,7 +59,11 @@ def local_digest(model: list, optimizer) -> str:
 
 def state_digest(model: list, optimizer) -> str:
     """Collective over the default group: every rank gets the same job-wide digest."""
-    everyone = all_gather_bytes(local_digest(model, optimizer).encode())
+    return _of_job(all_gather_bytes(local_digest(model, optimizer).encode()))
+
+
+def _of_job(everyone: list[bytes]) -> str:
+    """The job-wide digest of every rank's local one, in rank order."""
     return hashlib.sha256(b"".join(everyone)).hexdigest()
 
 
@@ -76,4 +80,4 @@ def final_digest(model: list, optimizer, iteration: int) -> str | None:
                     "state digest was gathered: no digest (%s)", iteration,
                     (str(err).splitlines() or [type(err).__name__])[0][:200])  # fmt: skip
         return None
-    return hashlib.sha256(b"".join(everyone)).hexdigest()
+    return _of_job(everyone)
