@@ -25,8 +25,16 @@ spec.loader.exec_module(info)
 print(f"{info.MAJOR}.{info.MINOR}.{info.PATCH}{info.PRE_RELEASE}")
 PY
 )
+# A series is named by its release tag; one whose tag's package reports another version
+# (core_v0.19.0 says 0.19.1) names that version in its package_version file.
 tag="core_v$version"
 series="$here/patches/megatron-lm-$tag"
+for candidate in "$here"/patches/megatron-lm-*; do
+    if [ -f "$candidate/package_version" ] && [ "$(cat "$candidate/package_version")" = "$version" ]; then
+        series=$candidate
+        tag=${candidate##*/megatron-lm-}
+    fi
+done
 if [ ! -d "$series" ]; then
     supported=$(cd "$here/patches" && ls -d megatron-lm-* | sed 's/^megatron-lm-//' | tr '\n' ' ')
     echo "error: $dir is Megatron-LM $tag; patches exist for: $supported" >&2
@@ -96,5 +104,11 @@ PY
 if [ -n "$missing" ]; then
     echo "note: Megatron-LM's pretrain_gpt.py imports modules this Python lacks: $missing" >&2
     echo "      (pip install them; deadpool_megatron: pip install -e $here)" >&2
+fi
+if grep -qs "from typing import .*override" megatron/training/models/gpt.py \
+        && ! "$python" -c "from typing import override" 2>/dev/null; then
+    echo "note: Megatron-LM $tag imports typing.override, which needs Python 3.12 or newer;" \
+         "this is $("$python" -c 'import platform; print(platform.python_version())')" \
+         "(the project's tests put typing_extensions' backport in place: tests/py311)" >&2
 fi
 echo "Megatron-LM $tag in $dir is patched: run its pretrain_gpt.py under deadpool-launch with --deadpool"

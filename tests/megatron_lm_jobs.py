@@ -3,7 +3,9 @@ CPU/gloo: the checkout they run in, the model they train, how they are launched.
 
 Needs a Megatron-LM checkout (git clone https://github.com/NVIDIA/Megatron-LM) named by
 MEGATRON_LM_DIR, and the Python modules its pretrain_gpt.py imports (six, regex, pydantic,
-pybind11, triton); the tests skip, saying why, without them.
+pybind11, triton); the tests skip, saying why, without them. They run the release TAG
+(MEGATRON_LM_TAG: one with a series under patches/); test_megatron_lm_v019.py runs core_v0.19
+beside it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_megatron_lm import python_first  # noqa: E402
 
-TAG = "core_v0.16.1"
+TAGS = sorted(p.name.removeprefix("megatron-lm-") for p in (ROOT / "patches").glob("megatron-lm-*"))
+TAG = os.environ.get("MEGATRON_LM_TAG", "core_v0.16.1")
+# core_v0.19's megatron.training imports typing.override (Python 3.12): on 3.11 the tests put
+# typing_extensions' backport in its place (tests/py311/sitecustomize.py)
+BACKPORTS = ROOT / "tests" / "py311"
 # A small GPT on Megatron-LM's mock data, every CUDA-only fusion off, 4 ranks as PP2 x DP2;
 # dropout at Megatron-LM's default (0.1): on CPU its masks come from the generator that the
 # data loaders draw from (upstream.data_iterators_for_hot_swaps).
@@ -45,23 +51,25 @@ NEEDED = ("six", "regex", "pydantic", "pybind11", "triton")
 DP4 = ["--pipeline-model-parallel-size", "1"]  # after MODEL's: the same job as DP4
 
 
-def patched_checkout(tmp_path_factory) -> Path:
-    """MEGATRON_LM_DIR's TAG cloned and patched in a temporary folder (the checkout itself
+def patched_checkout(tmp_path_factory, tag: str = TAG) -> Path:
+    """MEGATRON_LM_DIR's `tag` cloned and patched in a temporary folder (the checkout itself
     is not touched); skips, saying why, without one or without the modules it needs."""
+    if tag not in TAGS:
+        raise ValueError(f"MEGATRON_LM_TAG={tag!r}: patches exist for {TAGS}")
     source = os.environ.get("MEGATRON_LM_DIR")
     if not source:
         pytest.skip(
             "MEGATRON_LM_DIR is not set: this test needs a Megatron-LM checkout "
-            f"(git clone https://github.com/NVIDIA/Megatron-LM; tag {TAG})"
+            f"(git clone https://github.com/NVIDIA/Megatron-LM; tag {tag})"
         )
     missing = [m for m in NEEDED if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"Megatron-LM's pretrain_gpt.py needs modules missing here: {missing}")
-    checkout = tmp_path_factory.mktemp("megatron-lm") / "Megatron-LM"
+    checkout = tmp_path_factory.mktemp(f"megatron-lm-{tag}") / "Megatron-LM"
     is_git = subprocess.run(["git", "-C", source, "rev-parse", "--git-dir"],
                             capture_output=True).returncode == 0  # fmt: skip
     if is_git:  # a clone, or a bare mirror
-        subprocess.run(["git", "clone", "-q", "--branch", TAG, source, str(checkout)], check=True)
+        subprocess.run(["git", "clone", "-q", "--branch", tag, source, str(checkout)], check=True)
     else:
         shutil.copytree(source, checkout)
     done = subprocess.run(
@@ -71,6 +79,22 @@ def patched_checkout(tmp_path_factory) -> Path:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "applied: 0002-training-deadpool-hooks.patch" in done.stdout
     return checkout
+
+
+def python_path(checkout: Path) -> str:
+    """PYTHONPATH for a job of `checkout`: the project, and the backports its Megatron-LM
+    needs of this Python."""
+    needs = sys.version_info < (3, 12) and "override" in _typing_imports(checkout)
+    return os.pathsep.join([str(BACKPORTS)] * needs + [str(ROOT)])
+
+
+def _typing_imports(checkout: Path) -> str:
+    gpt = checkout / "megatron" / "training" / "models" / "gpt.py"
+    return (
+        "".join(re.findall(r"^from typing import (.*)$", gpt.read_text(), re.M))
+        if gpt.exists()
+        else ""
+    )
 
 
 def launch(
@@ -87,7 +111,8 @@ def launch(
     ]  # fmt: skip
     # Megatron-LM's check for tensor parallel reads this one: set by the tests that need it
     run_env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    run_env.update(PYTHONPATH=str(ROOT), PATH=python_first(checkout.parent), **(env or {}))
+    run_env.update(PYTHONPATH=python_path(checkout), PATH=python_first(checkout.parent),
+                   **(env or {}))  # fmt: skip
     done = subprocess.run(cmd, cwd=checkout, env=run_env, capture_output=True, text=True,
                           timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
     output = done.stdout + done.stderr

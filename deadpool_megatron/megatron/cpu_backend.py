@@ -218,7 +218,10 @@ def _build_torch_view(claim_available: bool = False) -> types.ModuleType:
 
 
 def _called_from_megatron(depth: int = 2) -> bool:
-    return sys._getframe(depth).f_globals.get("__name__", "").startswith("megatron.")
+    """Megatron's code, or its entry-point script's (core_v0.19's get_batch moves the batch
+    with `.cuda()` in pretrain_gpt.py itself)."""
+    name = sys._getframe(depth).f_globals.get("__name__", "")
+    return name.startswith("megatron.") or name in _EXTRA_MODULES
 
 
 def _patch_tensor_methods() -> None:

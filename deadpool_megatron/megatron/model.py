@@ -275,6 +275,29 @@ def unhook(state: TrainState) -> list[dict]:
     return removed
 
 
+# What Megatron-LM's train() binds to the model's config at each start, all of the generation:
+# the optimizer's loss scaling and the model chunks' gradient and parameter synchronization.
+_GENERATION_BOUND = ("grad_scale_func", "no_sync_func", "grad_sync_func", "param_sync_func",
+                     "finalize_model_grads_func", "timers")  # fmt: skip
+
+
+def unbind_config(state: TrainState) -> int:
+    """Cut a left model's config loose from its generation; returns the fields cleared.
+
+    Megatron-LM core_v0.19's pretrain_gpt.py builds the model's TransformerConfig before
+    pretrain(), so it is frozen with what the JIT warm-up leaves (runtime.freeze_survivors),
+    and a frozen object is never collected nor seen as a referrer: the optimizer and model
+    chunks that train() binds to it kept the left model and its groups alive for good
+    (measured: every survivor's generation-0 model outlived its collection). The next
+    generation's train() binds its own."""
+    cleared = 0
+    for name in _GENERATION_BOUND:
+        if getattr(state.transformer_config, name, None) is not None:
+            setattr(state.transformer_config, name, None)
+            cleared += 1
+    return cleared
+
+
 def rehook(state: TrainState, removed: list[dict]) -> None:
     """Put back the hooks `unhook` removed from `state` (its DDP rebound to new groups)."""
     for table, hooks in zip(state.hook_tables, removed, strict=True):

@@ -39,9 +39,13 @@ def reset_global_state() -> None:
         writer.close()
     destroy_global_state()
     # megatron-core's MoE tracker of auxiliary losses: what the interrupted iteration had
-    # added would be logged with the replayed one's (and it names the old groups)
+    # added would be logged with the replayed one's (and it names the old groups). From
+    # core_v0.19 the tracker is an object (moe_logging) and moe_utils gives a copy of it.
+    moe_logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
-    if moe_utils is not None:
+    if moe_logging is not None and hasattr(moe_logging, "get_moe_metrics_tracker"):
+        moe_logging.get_moe_metrics_tracker().clear()  # zeroed; each record names its groups
+    elif moe_utils is not None:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
     destroy_distributed()
 
@@ -67,8 +71,8 @@ def jit_warmup(restoring: bool, then: Callable[[], None] | None = None) -> None:
         warmup = own
     else:
 
-        def warmup() -> None:
-            own()
+        def warmup(*args, **kwargs) -> None:  # core_v0.19 passes tp_size
+            own(*args, **kwargs)
             then()
 
     if initialize._warmup_jit_function is not warmup:
@@ -78,7 +82,7 @@ def jit_warmup(restoring: bool, then: Callable[[], None] | None = None) -> None:
                      "first use)")  # fmt: skip
 
 
-def _no_jit_warmup() -> None:
+def _no_jit_warmup(*args, **kwargs) -> None:
     pass
 
 
@@ -376,6 +380,15 @@ def checkpoint_loaded() -> tuple[int, float] | None:
     if args.load is None or not args.iteration:
         return None
     return int(args.iteration), float(get_timers()("load-checkpoint").active_time())
+
+
+def batch_size_by_step_schedule() -> bool:
+    """Whether this Megatron-LM sizes its global batch by --step-batch-size-schedule and
+    ignores --rampup-batch-size (core_v0.19: its calculator takes the schedule only)."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    own = inspect.signature(calculators.init_num_microbatches_calculator).parameters
+    return "step_batch_size_schedule" in own
 
 
 def _replace_once(owner: object, name: str, make: Callable[[Callable], Callable]) -> bool:

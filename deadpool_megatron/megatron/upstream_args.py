@@ -108,6 +108,23 @@ def _ramp(ns: argparse.Namespace, dp: int) -> Ramp:
     return Ramp(start, increment, samples, final)
 
 
+def _schedules_refused(ns: argparse.Namespace) -> None:
+    """core_v0.19 sizes the global batch by --step-batch-size-schedule; it accepts
+    --rampup-batch-size but only warns that it is deprecated and trains without a ramp."""
+    if ns.rampup_batch_size is not None:
+        raise ConfigError(
+            f"--rampup-batch-size {' '.join(ns.rampup_batch_size)}: this Megatron-LM "
+            "(core_v0.19) ignores it and trains every iteration at --global-batch-size; its "
+            "ramp is --step-batch-size-schedule, which --deadpool does not support yet"
+        )
+    if ns.step_batch_size_schedule is not None:
+        raise ConfigError(
+            f"--step-batch-size-schedule {ns.step_batch_size_schedule!r} is not supported with "
+            "--deadpool yet (a hot-swap would not carry where the schedule stood); use a "
+            "constant --global-batch-size"
+        )
+
+
 def _train_iters(
     iters: int | None, samples: int | None, global_batch: int, ramp: Ramp | None = None
 ) -> int:
@@ -138,9 +155,10 @@ def _train_iters(
     return iterations
 
 
-def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
+def parse_job_config(argv: list[str], world_size: int, step_schedule: bool = False) -> JobConfig:
     """DeadPool's view of a Megatron-LM command line; raises ConfigError naming a bad value.
-    Megatron-LM parses and checks the rest itself."""
+    Megatron-LM parses and checks the rest itself. `step_schedule`: this Megatron-LM's batch
+    size follows --step-batch-size-schedule and ignores --rampup-batch-size (core_v0.19)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag, kind, default in _SHARED_FLAGS:
         if kind is None:
@@ -151,6 +169,7 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
     parser.add_argument("--eval-interval", type=int, default=None)  # neither
     parser.add_argument("--rampup-batch-size", nargs="*", default=None)  # neither
     parser.add_argument("--decrease-batch-size-if-needed", action="store_true")  # neither
+    parser.add_argument("--step-batch-size-schedule", default=None)  # neither
     add_arguments(parser)
     ns, _ = parser.parse_known_args(argv)
     if _given(argv, "--inprocess-restart"):
@@ -173,6 +192,8 @@ def parse_job_config(argv: list[str], world_size: int) -> JobConfig:
         raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size")
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp
+    if step_schedule and ns.deadpool:
+        _schedules_refused(ns)
     ramp = None
     if ns.rampup_batch_size is not None:
         ramp = _ramp(ns, dp)

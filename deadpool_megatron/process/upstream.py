@@ -512,7 +512,8 @@ def main(pretrain: Callable, args: tuple, kwargs: dict, argv: list[str]) -> int:
                 "--deadpool with Megatron-LM's pretrain_gpt.py needs deadpool-launch: start it "
                 "with `deadpool-launch --nproc-per-node N [--spares S] pretrain_gpt.py ...`"
             )
-        return upstream_args.parse_job_config(argv, env.world_size)
+        return upstream_args.parse_job_config(argv, env.world_size,
+                                              upstream.batch_size_by_step_schedule())  # fmt: skip
 
     def train(cfg: JobConfig, env: ProcessEnv, exit_signal: ExitSignal | None) -> int:
         session = UpstreamSession(cfg, env, exit_signal=exit_signal)

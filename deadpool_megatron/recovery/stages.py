@@ -57,7 +57,7 @@ from ..failure.progress import ProgressBoard
 from ..megatron import checkpointing, parallel
 from ..megatron.checkpointing import materialize_optimizer_state, optimizer_state_ready
 from ..megatron.groups import group_roles, live_groups
-from ..megatron.model import TrainState, build_train_state, unhook
+from ..megatron.model import TrainState, build_train_state, unbind_config, unhook
 from ..megatron.prebuild import Prebuilt
 from ..megatron.shard import RankState
 from ..megatron.training import Trainer
@@ -288,6 +288,8 @@ class ProcessRecovery:
                       sum(map(len, hooks)), self.ctx.generation)  # fmt: skip
             if self.keep_model:
                 self._kept = Kept(trainer.state, hooks)
+            else:
+                unbind_config(trainer.state)
         self._keep(trainer.detach())
 
     def _keep(self, pipeline: ProtectionPipeline | None) -> None:

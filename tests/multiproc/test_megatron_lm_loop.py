@@ -17,25 +17,45 @@ import time
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, printed_lines, python_first, run
+from megatron_lm_jobs import DP4, MODEL, launch, printed_lines, python_first, python_path, run
 from slurm_cluster import start_cluster
 from slurm_jobs import join_logs, lose_node, node_logs, submit, submit_join, wait_for_iteration
 
 from deadpool_megatron.metrics import read_metrics
-from jobs import JOB_TIMEOUT_S, ROOT
+from jobs import JOB_TIMEOUT_S
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(1200)]
 
 
-def _saved_counts(save: Path, iteration: int) -> tuple[float, int, int]:
-    """What Megatron-LM counted in a checkpoint it saved (torch_dist): floating-point
-    operations, training and validation samples consumed."""
-    import torch
+SAVED_COUNTS = """
+import io, sys
+import torch
+import torch.distributed.checkpoint as dcp
+from pathlib import Path
+folder = Path(sys.argv[1])
+if (folder / "common.pt").exists():
+    common = torch.load(folder / "common.pt", weights_only=False)
+else:
+    item = {"common_state/shard_0_1": io.BytesIO()}
+    dcp.load(item, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    (common,) = item["common_state/shard_0_1"]
+args = common["args"]
+print("counts", float(common["num_floating_point_operations_so_far"]),
+      args.consumed_train_samples, args.consumed_valid_samples)
+"""
 
-    common = torch.load(save / f"iter_{iteration:07d}" / "common.pt", weights_only=False)
-    args = common["args"]
-    return (float(common["num_floating_point_operations_so_far"]),
-            args.consumed_train_samples, args.consumed_valid_samples)  # fmt: skip
+
+def _saved_counts(checkout: Path, save: Path, iteration: int) -> tuple[float, int, int]:
+    """What Megatron-LM counted in a checkpoint it saved (torch_dist): floating-point
+    operations, training and validation samples consumed. Read by `checkout`'s own
+    megatron-core (the objects in it are its classes): core_v0.16.1 keeps them in common.pt,
+    core_v0.19 in the checkpoint's own common-state item."""
+    env = {**os.environ, "PYTHONPATH": python_path(checkout)}
+    done = subprocess.run([sys.executable, "-c", SAVED_COUNTS, str(save / f"iter_{iteration:07d}")],
+                          cwd=checkout, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    flops, train, valid = done.stdout.split("counts ")[1].split()
+    return float(flops), int(train), int(valid)
 
 
 # The same 12 iterations, sample-based (--train-samples, as Megatron-LM's GPT-3 scripts
@@ -97,8 +117,8 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
     assert len(validated) == 6, validated  # at 3, 6, 9 and 12, then the end's two sets
     assert VALIDATION.findall(output) == validated
     for iteration in (8, 12):
-        counts = _saved_counts(swap_dir, iteration)
-        assert counts == _saved_counts(free_dir, iteration)
+        counts = _saved_counts(megatron_lm, swap_dir, iteration)
+        assert counts == _saved_counts(megatron_lm, free_dir, iteration)
         assert counts[0] > 0 and counts[1:] == (8 * iteration, 16 * (iteration // 3))
 
 
@@ -121,6 +141,12 @@ def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without
     # had it, so the resumed loop meets the step and saves 3 as that loop did: every loss,
     # every printed line (consumed samples, global batch size), the checkpoints' counts and
     # the digest are the failure-free run's.
+    if (megatron_lm / "megatron" / "core" / "package_info.py").read_text().count("MINOR = 19"):
+        # core_v0.19 accepts --rampup-batch-size, warns it is deprecated and trains without
+        # a ramp (its ramp is --step-batch-size-schedule): refused, before any process starts
+        returncode, output = launch(megatron_lm, tmp_path, "ramp", [], model=RAMPED)
+        assert returncode != 0 and "ignores it and trains every iteration" in output, output
+        return
     saved = ["--save-interval", "1000"]  # saves at the ramp's steps and the end only
     free_dir, swap_dir = tmp_path / "free_ckpt", tmp_path / "swap_ckpt"
     losses, final, free_output = run(megatron_lm, tmp_path, "ramp_free",
@@ -144,8 +170,8 @@ def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without
     consumed = [int(c) for c in re.findall(r"consumed samples: +(\d+)", free_output)]
     assert consumed == [4, 8, 12, 20, 28, 40, 52, 64, 76, 88, 100]
     for iteration in (3, 5, 11):  # the ramp's two steps (saved at their tops), and the end
-        counts = _saved_counts(swap_dir, iteration)
-        assert counts == _saved_counts(free_dir, iteration)
+        counts = _saved_counts(megatron_lm, swap_dir, iteration)
+        assert counts == _saved_counts(megatron_lm, free_dir, iteration)
         assert counts[1] == consumed[iteration - 1]
 
 
@@ -172,7 +198,9 @@ def test_upstream_evaluation_cut_short_by_a_failure_runs_again_from_its_first_sa
     assert VALIDATION.findall(output) == validated  # at 3 once, and 6, 9, 12 as without it
     assert got == losses and got_final["state_digest"] == final["state_digest"]
     for iteration in (4, 8, 12):
-        assert _saved_counts(swap_dir, iteration) == _saved_counts(free_dir, iteration)
+        assert _saved_counts(megatron_lm, swap_dir, iteration) == _saved_counts(
+            megatron_lm, free_dir, iteration
+        )
 
 
 def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(
@@ -219,7 +247,7 @@ def _signalledrun(
         "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
         "--exit-signal-handler", "--save", str(save), "--save-interval", "100", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": python_first(checkout.parent)}
+    env = {**os.environ, "PYTHONPATH": python_path(checkout), "PATH": python_first(checkout.parent)}
     log = tmp_path / "signalled.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=out,
@@ -303,7 +331,8 @@ def test_upstream_under_sbatch_hot_swaps_a_lost_node_onto_the_spare_node_bitwise
         slurm, tmp_path, run_dir, 3, 1,
         [*MODEL, *DP4, "--deadpool-node-timeout", "5", "--deadpool-metrics-jsonl", str(metrics)],
         zygote=False, nproc=2,
-        env={"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent)},
+        env={"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent),
+             "PYTHONPATH": python_path(megatron_lm)},
     )  # fmt: skip
     wait_for_iteration(tmp_path, metrics, 5, JOB_TIMEOUT_S)
     lose_node(job, 1)
@@ -328,14 +357,16 @@ def test_upstream_under_sbatch_a_node_that_joins_the_job_takes_over_a_lost_node_
     longer = [*DP4, "--train-iters", "800"]
     losses, final, _ = run(megatron_lm, tmp_path, "failure_free_join", longer)
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
-    env = {"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent)}
+    env = {"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent),
+           "PYTHONPATH": python_path(megatron_lm)}  # fmt: skip
     job = submit(
         slurm, tmp_path, run_dir, 2, 0,
         [*MODEL, *longer, "--deadpool-node-timeout", "5", "--deadpool-metrics-jsonl",
          str(metrics)], zygote=False, nproc=2, env=env,
     )  # fmt: skip
     wait_for_iteration(tmp_path, metrics, 2, JOB_TIMEOUT_S)
-    joining = submit_join(slurm, tmp_path, run_dir, job, env={"PATH": env["PATH"]})
+    joining = submit_join(slurm, tmp_path, run_dir, job,
+                          env={k: env[k] for k in ("PATH", "PYTHONPATH")})  # fmt: skip
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not _joined(run_dir):
         assert time.monotonic() < deadline, node_logs(run_dir)[-6000:] + join_logs(run_dir)

@@ -89,3 +89,30 @@ def test_torch_norms_under_sequence_parallelism_are_marked_as_a_gpu_s_norms():
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "norm RMSNorm True [True] [None]" in done.stdout
+
+
+ENTRY_SCRIPT_CUDA = """
+import torch
+from deadpool_megatron.megatron import cpu_backend
+cpu_backend.activate()
+batch = torch.ones(2)
+script = {"__name__": "__main__", "batch": batch}
+exec("moved = batch.cuda(non_blocking=True)", script)  # core_v0.19's get_batch, in the script
+print("script", script["moved"] is batch)
+try:
+    exec("batch.cuda()", {"__name__": "another_library", "batch": batch})
+except (AssertionError, RuntimeError) as err:
+    print("other", type(err).__name__)
+"""
+
+
+def test_the_entry_scripts_cuda_calls_stay_on_the_cpu_as_megatrons_do():
+    # core_v0.19's pretrain_gpt.py moves each batch with Tensor.cuda() in its own get_batch
+    # (core_v0.16.1 asked megatron.training's); any other caller still gets torch's own
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ENTRY_SCRIPT_CUDA], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "script True" in done.stdout and "other AssertionError" in done.stdout

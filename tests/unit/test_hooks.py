@@ -45,6 +45,16 @@ def test_without_deadpool_pretrain_is_returned_unchanged(monkeypatch):
     assert hooks.wrap_pretrain(pretrain) is not pretrain
 
 
+def test_without_deadpool_core_v019s_main_runs_once_as_before(monkeypatch):
+    # core_v0.19's pretrain_gpt.py: its parsing, configs and pretrain() in main(store)
+    monkeypatch.delenv(ENV_ROLE, raising=False)
+    calls = []
+    for argv in (["--num-layers", "2"], ["--deadpool", "--help"]):  # Megatron-LM's help
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
+        hooks.run_main(calls.append, store="its store")
+    assert calls == ["its store", "its store"]
+
+
 def test_hooks_do_nothing_without_a_session():
     hooks.after_setup(None, None, None)
     hooks.before_loop(3, lambda: pytest.fail("evaluated without a session"))
@@ -298,15 +308,43 @@ def test_the_tracker_megatron_lm_and_we_share_names_an_iteration_or_nothing(tmp_
 
 
 def test_the_patch_series_adds_only_calls_into_deadpool():
+    """Every line a patch adds calls into DeadPool, but those it moves: core_v0.19's
+    pretrain_gpt.py parses, builds its configs and calls pretrain() in a function of its own
+    (main), each line as it was, the script's extra-arguments provider wrapped by DeadPool's."""
     patches = sorted(PATCHES.glob("megatron-lm-*/*.patch"))
-    assert patches
+    assert {p.parent.name for p in patches} >= {
+        "megatron-lm-core_v0.16.1",
+        "megatron-lm-core_v0.19.0",
+    }
     for patch in patches:
+        removed, plain, calls = [], [], []
         for line in patch.read_text().splitlines():
+            code = line[1:].strip()
             if line.startswith("-") and not line.startswith("---"):
-                raise AssertionError(f"{patch.name} removes a line: {line}")
-            if line.startswith("+") and not line.startswith("+++"):
-                code = line[1:].strip()
-                assert not code or code.startswith("#") or "deadpool" in code, (patch.name, line)
+                removed.append(code)
+            elif line.startswith("+") and not line.startswith("+++") and code:
+                if "deadpool" in code:
+                    calls.append(code)
+                elif not code.startswith("#"):
+                    plain.append(code)
+        moved = [c for c in plain if c in removed]
+        assert [c for c in plain if c not in removed] in ([], ["def main(store):"]), patch.name
+        for code in removed:
+            assert code in moved or any(code.rstrip(",").split("=", 1)[-1] in c for c in calls), (
+                f"{patch.name} removes a line: {code}"
+            )
+
+
+def test_core_v019_batch_size_schedules_are_refused_before_any_work():
+    # core_v0.19 ignores --rampup-batch-size (deprecated, no ramp); its step schedule is
+    # not carried across a hot-swap yet
+    ramp = [*SAMPLES, "--rampup-batch-size", "8", "8", "100"]
+    assert parse_job_config(ramp, 4).training.train_iters > 0  # core_v0.16.1 ramps
+    with pytest.raises(ConfigError, match="ignores it and trains every iteration"):
+        parse_job_config(ramp, 4, step_schedule=True)
+    with pytest.raises(ConfigError, match="--step-batch-size-schedule '0:8 100:32'"):
+        parse_job_config([*SAMPLES, "--step-batch-size-schedule", "0:8 100:32"], 4, True)
+    assert parse_job_config(SAMPLES, 4, step_schedule=True).training.train_iters == 12
 
 
 def test_fully_sharded_data_parallel_is_left_alone_without_deadpool():

@@ -84,3 +84,45 @@ def test_a_kept_model_gets_its_hooks_back_and_they_run_again():
     assert [len(t) for t in state.hook_tables] == [1, 1]
     model.module(torch.ones(2, 4)).sum().backward()
     assert model.last is not None
+
+
+class _Optimizer:
+    def __init__(self, model: _DDP):
+        self.model = model
+
+    def scale_loss(self, loss):
+        return loss
+
+
+def test_a_frozen_config_keeps_the_model_alive_until_it_is_unbound():
+    """core_v0.19 builds the model's config before pretrain(), so it is frozen with the JIT
+    warm-up's caches (runtime.freeze_survivors); train() then binds the generation's optimizer
+    (which holds the model) to it. A frozen object is never collected: the model outlived its
+    collection until the recovery's stop cut those fields."""
+    from types import SimpleNamespace
+
+    from deadpool_megatron.megatron.model import unbind_config
+
+    config = SimpleNamespace(hidden_size=4, grad_scale_func=None, timers=None)
+    gc.collect()
+    gc.freeze()
+    try:
+
+        def generation() -> tuple[weakref.ref, TrainState]:
+            model = _DDP()
+            config.grad_scale_func = _Optimizer(model).scale_loss
+            config.no_sync_func = [model.module.zero_grad]
+            return weakref.ref(model), TrainState([model], None, None, config)
+
+        kept, state = generation()
+        del state
+        gc.collect()
+        assert kept() is not None
+        cut, state = generation()
+        assert unbind_config(state) == 2
+        del state
+        gc.collect()
+        assert cut() is None and config.grad_scale_func is None and config.no_sync_func is None
+        assert config.hidden_size == 4  # the model's own settings stay
+    finally:
+        gc.unfreeze()
