@@ -81,20 +81,18 @@ def patched_checkout(tmp_path_factory, tag: str = TAG) -> Path:
     return checkout
 
 
-def python_path(checkout: Path) -> str:
-    """PYTHONPATH for a job of `checkout`: the project, and the backports its Megatron-LM
-    needs of this Python."""
-    needs = sys.version_info < (3, 12) and "override" in _typing_imports(checkout)
-    return os.pathsep.join([str(BACKPORTS)] * needs + [str(ROOT)])
-
-
-def _typing_imports(checkout: Path) -> str:
+def job_env(checkout: Path) -> dict[str, str]:
+    """What a process of `checkout`'s Megatron-LM needs in its environment: this interpreter
+    first on PATH (python_first), and on PYTHONPATH the project and the backports its
+    Megatron-LM needs of this Python (core_v0.19's typing.override on 3.11)."""
     gpt = checkout / "megatron" / "training" / "models" / "gpt.py"
-    return (
-        "".join(re.findall(r"^from typing import (.*)$", gpt.read_text(), re.M))
-        if gpt.exists()
-        else ""
+    needs = (
+        sys.version_info < (3, 12)
+        and gpt.exists()
+        and bool(re.search(r"^from typing import .*\boverride\b", gpt.read_text(), re.M))
     )
+    return {"PYTHONPATH": os.pathsep.join([str(BACKPORTS)] * needs + [str(ROOT)]),
+            "PATH": python_first(checkout.parent)}  # fmt: skip
 
 
 def launch(
@@ -111,8 +109,7 @@ def launch(
     ]  # fmt: skip
     # Megatron-LM's check for tensor parallel reads this one: set by the tests that need it
     run_env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    run_env.update(PYTHONPATH=python_path(checkout), PATH=python_first(checkout.parent),
-                   **(env or {}))  # fmt: skip
+    run_env.update(job_env(checkout), **(env or {}))
     done = subprocess.run(cmd, cwd=checkout, env=run_env, capture_output=True, text=True,
                           timeout=2 * JOB_TIMEOUT_S)  # fmt: skip
     output = done.stdout + done.stderr

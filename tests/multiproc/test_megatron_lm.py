@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, launch, printed_lines, python_path, run
+from megatron_lm_jobs import DP4, MODEL, job_env, launch, printed_lines, run
 
 from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT
@@ -91,7 +91,7 @@ def test_megatron_lm_parser_reads_its_config_sources_once_with_the_same_help(meg
     # Megatron-LM's parse_args reads and parses its config dataclasses' sources for their
     # help texts at every call, twice per pretrain(): once per class per process now, the
     # parser's help (and so every flag) unchanged.
-    env = {**os.environ, "PYTHONPATH": python_path(megatron_lm)}
+    env = {**os.environ, **job_env(megatron_lm)}
     done = subprocess.run([sys.executable, "-c", PARSER_CHECK], cwd=megatron_lm, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and "sources once" in done.stdout, done.stdout + done.stderr[-3000:]

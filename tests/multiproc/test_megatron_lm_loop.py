@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, launch, printed_lines, python_first, python_path, run
+from megatron_lm_jobs import DP4, MODEL, TAG, job_env, launch, printed_lines, run
 from slurm_cluster import start_cluster
 from slurm_jobs import join_logs, lose_node, node_logs, submit, submit_join, wait_for_iteration
 
@@ -32,30 +32,33 @@ import io, sys
 import torch
 import torch.distributed.checkpoint as dcp
 from pathlib import Path
-folder = Path(sys.argv[1])
-if (folder / "common.pt").exists():
-    common = torch.load(folder / "common.pt", weights_only=False)
-else:
-    item = {"common_state/shard_0_1": io.BytesIO()}
-    dcp.load(item, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
-    (common,) = item["common_state/shard_0_1"]
-args = common["args"]
-print("counts", float(common["num_floating_point_operations_so_far"]),
-      args.consumed_train_samples, args.consumed_valid_samples)
+for folder in map(Path, sys.argv[1:]):
+    if (folder / "common.pt").exists():
+        common = torch.load(folder / "common.pt", weights_only=False)
+    else:
+        item = {"common_state/shard_0_1": io.BytesIO()}
+        dcp.load(item, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+        (common,) = item["common_state/shard_0_1"]
+    args = common["args"]
+    print("counts", float(common["num_floating_point_operations_so_far"]),
+          args.consumed_train_samples, args.consumed_valid_samples)
 """
 
 
-def _saved_counts(checkout: Path, save: Path, iteration: int) -> tuple[float, int, int]:
-    """What Megatron-LM counted in a checkpoint it saved (torch_dist): floating-point
-    operations, training and validation samples consumed. Read by `checkout`'s own
-    megatron-core (the objects in it are its classes): core_v0.16.1 keeps them in common.pt,
-    core_v0.19 in the checkpoint's own common-state item."""
-    env = {**os.environ, "PYTHONPATH": python_path(checkout)}
-    done = subprocess.run([sys.executable, "-c", SAVED_COUNTS, str(save / f"iter_{iteration:07d}")],
-                          cwd=checkout, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+def _saved_counts(
+    checkout: Path, save: Path, iterations: tuple[int, ...]
+) -> dict[int, tuple[float, int, int]]:
+    """What Megatron-LM counted in the checkpoints it saved (torch_dist) at `iterations`:
+    floating-point operations, training and validation samples consumed. Read in one process
+    by `checkout`'s own megatron-core (the objects in them are its classes): core_v0.16.1
+    keeps them in common.pt, core_v0.19 in the checkpoint's own common-state item."""
+    folders = [str(save / f"iter_{i:07d}") for i in iterations]
+    done = subprocess.run([sys.executable, "-c", SAVED_COUNTS, *folders], cwd=checkout,
+                          env={**os.environ, **job_env(checkout)}, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    flops, train, valid = done.stdout.split("counts ")[1].split()
-    return float(flops), int(train), int(valid)
+    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("counts ")]
+    return {i: (float(f), int(t), int(v)) for i, (f, t, v) in zip(iterations, lines, strict=True)}
 
 
 # The same 12 iterations, sample-based (--train-samples, as Megatron-LM's GPT-3 scripts
@@ -116,9 +119,9 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
     validated = VALIDATION.findall(free_output)
     assert len(validated) == 6, validated  # at 3, 6, 9 and 12, then the end's two sets
     assert VALIDATION.findall(output) == validated
-    for iteration in (8, 12):
-        counts = _saved_counts(megatron_lm, swap_dir, iteration)
-        assert counts == _saved_counts(megatron_lm, free_dir, iteration)
+    counted = _saved_counts(megatron_lm, swap_dir, (8, 12))
+    assert counted == _saved_counts(megatron_lm, free_dir, (8, 12))
+    for iteration, counts in counted.items():
         assert counts[0] > 0 and counts[1:] == (8 * iteration, 16 * (iteration // 3))
 
 
@@ -141,7 +144,7 @@ def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without
     # had it, so the resumed loop meets the step and saves 3 as that loop did: every loss,
     # every printed line (consumed samples, global batch size), the checkpoints' counts and
     # the digest are the failure-free run's.
-    if (megatron_lm / "megatron" / "core" / "package_info.py").read_text().count("MINOR = 19"):
+    if TAG == "core_v0.19.0":
         # core_v0.19 accepts --rampup-batch-size, warns it is deprecated and trains without
         # a ramp (its ramp is --step-batch-size-schedule): refused, before any process starts
         returncode, output = launch(megatron_lm, tmp_path, "ramp", [], model=RAMPED)
@@ -169,9 +172,10 @@ def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without
     assert printed_lines(output) == {i: line for i, line in printed.items() if i != 3}
     consumed = [int(c) for c in re.findall(r"consumed samples: +(\d+)", free_output)]
     assert consumed == [4, 8, 12, 20, 28, 40, 52, 64, 76, 88, 100]
-    for iteration in (3, 5, 11):  # the ramp's two steps (saved at their tops), and the end
-        counts = _saved_counts(megatron_lm, swap_dir, iteration)
-        assert counts == _saved_counts(megatron_lm, free_dir, iteration)
+    # the ramp's two steps (saved at their tops), and the end
+    counted = _saved_counts(megatron_lm, swap_dir, (3, 5, 11))
+    assert counted == _saved_counts(megatron_lm, free_dir, (3, 5, 11))
+    for iteration, counts in counted.items():
         assert counts[1] == consumed[iteration - 1]
 
 
@@ -197,10 +201,8 @@ def test_upstream_evaluation_cut_short_by_a_failure_runs_again_from_its_first_sa
     validated = VALIDATION.findall(free_output)
     assert VALIDATION.findall(output) == validated  # at 3 once, and 6, 9, 12 as without it
     assert got == losses and got_final["state_digest"] == final["state_digest"]
-    for iteration in (4, 8, 12):
-        assert _saved_counts(megatron_lm, swap_dir, iteration) == _saved_counts(
-            megatron_lm, free_dir, iteration
-        )
+    counted = _saved_counts(megatron_lm, swap_dir, (4, 8, 12))
+    assert counted == _saved_counts(megatron_lm, free_dir, (4, 8, 12))
 
 
 def test_upstream_exit_interval_ends_training_and_a_kill_after_it_needs_no_recovery(
@@ -247,7 +249,7 @@ def _signalledrun(
         "--spares", "1", "pretrain_gpt.py", *MODEL, "--deadpool-metrics-jsonl", str(metrics),
         "--exit-signal-handler", "--save", str(save), "--save-interval", "100", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": python_path(checkout), "PATH": python_first(checkout.parent)}
+    env = {**os.environ, **job_env(checkout)}
     log = tmp_path / "signalled.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=out,
@@ -331,8 +333,7 @@ def test_upstream_under_sbatch_hot_swaps_a_lost_node_onto_the_spare_node_bitwise
         slurm, tmp_path, run_dir, 3, 1,
         [*MODEL, *DP4, "--deadpool-node-timeout", "5", "--deadpool-metrics-jsonl", str(metrics)],
         zygote=False, nproc=2,
-        env={"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent),
-             "PYTHONPATH": python_path(megatron_lm)},
+        env={"MEGATRON_LM_DIR": str(megatron_lm), **job_env(megatron_lm)},
     )  # fmt: skip
     wait_for_iteration(tmp_path, metrics, 5, JOB_TIMEOUT_S)
     lose_node(job, 1)
@@ -357,16 +358,14 @@ def test_upstream_under_sbatch_a_node_that_joins_the_job_takes_over_a_lost_node_
     longer = [*DP4, "--train-iters", "800"]
     losses, final, _ = run(megatron_lm, tmp_path, "failure_free_join", longer)
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
-    env = {"MEGATRON_LM_DIR": str(megatron_lm), "PATH": python_first(megatron_lm.parent),
-           "PYTHONPATH": python_path(megatron_lm)}  # fmt: skip
+    env = {"MEGATRON_LM_DIR": str(megatron_lm), **job_env(megatron_lm)}
     job = submit(
         slurm, tmp_path, run_dir, 2, 0,
         [*MODEL, *longer, "--deadpool-node-timeout", "5", "--deadpool-metrics-jsonl",
          str(metrics)], zygote=False, nproc=2, env=env,
     )  # fmt: skip
     wait_for_iteration(tmp_path, metrics, 2, JOB_TIMEOUT_S)
-    joining = submit_join(slurm, tmp_path, run_dir, job,
-                          env={k: env[k] for k in ("PATH", "PYTHONPATH")})  # fmt: skip
+    joining = submit_join(slurm, tmp_path, run_dir, job, env=job_env(megatron_lm))
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not _joined(run_dir):
         assert time.monotonic() < deadline, node_logs(run_dir)[-6000:] + join_logs(run_dir)
