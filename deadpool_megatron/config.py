@@ -290,7 +290,8 @@ class DeadpoolConfig:
     )
     deadpool_on_unrecoverable: str | None = knob(
         None,
-        "When a hot-swap cannot recover (both copies of a shard lost, no spare left): "
+        "When a hot-swap cannot recover (both copies of a shard lost, no spare left, a "
+        "recovery that fails with the same error on a spare too): "
         "checkpoint-restart (restart every process from the newest complete persistent "
         "checkpoint under --save; the default when --save is set) or stop (end the job, saying "
         "what was lost; the default without --save).",

@@ -39,7 +39,7 @@ from ..events import (
     SUSPECTED,
     EventLog,
 )
-from ..failure.classify import Classification, describe
+from ..failure.classify import Classification, Decision, describe
 from ..failure.evidence import HealthCheckFailed, ProcessExited
 from ..failure.hang import HangPolicy
 from ..recovery.coordinator import Coordinator
@@ -352,8 +352,9 @@ class Agent:
             run.up = self.first.up(run.pool.idle, record=True)
         registered = run.up or not isinstance(c.evidence, ProcessExited)
         registered = registered or self.first.registered(c.rank)
+        falls_back = self.settings.on_unrecoverable == "checkpoint-restart"
         response = respond(c, self.args.restart_policy, self.settings.protection.deadpool,
-                           run.up, registered, c.rank in run.relaunched)  # fmt: skip
+                           run.up, registered, c.rank in run.relaunched, falls_back)  # fmt: skip
         if response.action is Action.WAIT:
             if held is None:
                 self._log_detection(detection, run.monitor.iteration)
@@ -369,6 +370,10 @@ class Agent:
         if held is not None:
             detection = held.detection  # the recovery counts from the failure, not the wait's end
         if response.action is Action.RESTART:
+            if c.kind is Decision.REPEATED:
+                log.error("%s; the recovery cannot succeed in memory: falling back to the "
+                          "persistent checkpoint", c.reason)  # fmt: skip
+                return self.restart(f"rank {c.rank}'s recovery failed the same way again")
             return self.restart(f"failure of rank {c.rank}")
         if response.action is Action.RELAUNCH:
             return self.first.relaunch(c.rank, c.evidence, run)
@@ -380,7 +385,7 @@ class Agent:
             run.pool.node_unfit(f"rank {c.rank} failed its health check: {c.reason}")
         if not response.replace:
             run.monitor.record_transient(c.rank, c.evidence.at)
-        run.monitor.record_error(c.evidence)
+        run.monitor.record_error(c.cause)
         permanent = {c.rank} if response.replace else set()
         failed_at = detection.injected_at or detection.classification.evidence.at
         phases = {"detect": detection.detected_at - failed_at, "fence": fence_s}

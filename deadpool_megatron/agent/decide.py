@@ -31,15 +31,19 @@ class Response:
 
 def respond(
     c: Classification, restart_policy: str, protected: bool, up: bool,
-    registered: bool = True, relaunched: bool = False,
+    registered: bool = True, relaunched: bool = False, falls_back: bool = False,
 ) -> Response:  # fmt: skip
     """`restart_policy`: deadpool-launch's (hotswap or full); `protected`: the job runs with
     --deadpool; `up`: generation 0's membership is recorded (every rank registered);
     `registered`: the failed rank's process had registered (a live one may any moment, so
     it counts as registered); `relaunched`: its seat was started again once already (a
-    second death before registering is not bad luck)."""
+    second death before registering is not bad luck); `falls_back`: what cannot be recovered
+    in memory restarts from the persistent checkpoint (--deadpool-on-unrecoverable)."""
     alive = not isinstance(c.evidence, ProcessExited)
     permanent = c.kind is Decision.PERMANENT
+    if c.kind is Decision.REPEATED and falls_back and in_recovery(c):
+        # the recovery itself fails the same way: a restart from the checkpoint runs none
+        return Response(Action.RESTART, fence=False, replace=False)
     if refused_its_input(c) or c.kind is Decision.REPEATED:  # a spare or a restart would
         return Response(Action.END, fence=False, replace=False)  # meet the same again
     if restart_policy == "full":
@@ -65,9 +69,12 @@ def why_it_ends(c: Classification, pid: int) -> tuple[str, str, int]:
                 "refused its input (its error is above); a spare would be given the same, so "
                 "the job ends", f"rank {rank} refused its input", BAD_INPUT_EXIT)  # fmt: skip
     if c.kind is Decision.REPEATED:
-        return (f"{c.reason}; ending the job (the traceback is in rank {rank}'s log): a spare "
-                "or a restart would meet it again", f"rank {rank} failed the same way again",
-                1)  # fmt: skip
+        again = "a spare or a restart would meet it again"
+        if in_recovery(c):
+            again = ("a spare would meet it again; a restart from the checkpoint would not "
+                     "(--deadpool-on-unrecoverable checkpoint-restart)")  # fmt: skip
+        return (f"{c.reason}; ending the job (the traceback is in rank {rank}'s log): {again}",
+                f"rank {rank} failed the same way again", 1)  # fmt: skip
     if isinstance(c.evidence, ProcessExited):
         line = (
             f"worker rank {rank} (pid {pid}) {describe_exit(c.evidence.returncode)}; ending the job"
@@ -81,3 +88,9 @@ def refused_its_input(c: Classification) -> bool:
     """The rank exited with the status of a process that refuses its input (a checkpoint
     under --load that is missing, flags found wrong after start), not of a failure."""
     return isinstance(c.evidence, ProcessExited) and c.evidence.returncode == BAD_INPUT_EXIT
+
+
+def in_recovery(c: Classification) -> bool:
+    """The failure is an error of a recovery (its place is phase recovery), not of training."""
+    where = getattr(c.cause, "where", None)
+    return where is not None and where[1] == "recovery"

@@ -108,12 +108,14 @@ class ControlClient:
 
     def report_failure(
         self, rank: int, kind: str, message: str, at: float | None = None,
-        where: tuple[int, str] = (-1, ""),
+        where: tuple[int, str] = (-1, ""), generation: int | None = None,
     ) -> None:  # fmt: skip
         """Evidence this process has about its own failure (an exception it caught), and
-        where it was: its progress mark (iteration, phase)."""
+        where it was: its progress mark (iteration, phase); in `generation` (default: the
+        one it works in; a recovery's failure is of the generation it was recovering into)."""
         report = FailureReport(kind, message[:2000], time.time() if at is None else at, *where)
-        self.ctx.put(keys.report(self.ctx.job, self.ctx.generation, rank), report)
+        generation = self.ctx.generation if generation is None else generation
+        self.ctx.put(keys.report(self.ctx.job, generation, rank), report)
 
     def register_worker(self, rank: int) -> None:
         """Tell the agent which process holds `rank` (for the membership view)."""

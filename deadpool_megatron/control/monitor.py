@@ -163,6 +163,10 @@ class Monitor:
             self._read_reports()
             if self.watch_heartbeats:
                 self._observe_processes(now)
+        elif evidence:
+            # An exit is seen at once; what the process reported before it (its own error,
+            # the cause classify weighs with the exit) is read with it, not a poll later.
+            self._read_reports()
         evidence.extend(self._reports.values())
         if self.watch_heartbeats:
             evidence.extend(self._hung(now))

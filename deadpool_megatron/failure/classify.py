@@ -29,7 +29,11 @@ again it is escalated to permanent all the same (a device at fault would fail th
 place; a spare's does not); a third time, on any rank, it is `REPEATED`: the job ends with it,
 since a spare or a restart from a checkpoint would meet it again. A CUDA error that may have
 corrupted its context is replaced the first time already (rule 4), so the second time is
-`REPEATED`.
+`REPEATED`. A process that reported its own error and then exited (a spare whose takeover
+failed holds nothing to stay for) failed of that error: the exit decides (rule 1), the error is
+what the rule matches and records (`Classification.cause`), and a second time it is `REPEATED`.
+An error inside a recovery has its place as (the iteration recovered from, "recovery"), the
+same in every process that holds the rank.
 
 Across ranks, the strongest kind wins and, within a kind, the earliest `at` (then the lowest
 rank): `classify` returns the one decision to act on first. A permanent recovery re-plans the
@@ -158,6 +162,13 @@ class Classification:
     kind: Decision
     reason: str  # starts with the class name of the evidence that won
     evidence: Evidence
+    # the rank's own error behind an exit (it reported one first); None: `evidence` itself
+    error: Evidence | None = None
+
+    @property
+    def cause(self) -> Evidence:
+        """What the replay rule matches and records (FailureHistory.record_error)."""
+        return self.evidence if self.error is None else self.error
 
 
 def describe(e: Evidence) -> str:
@@ -255,9 +266,11 @@ def classify(
         won = _earliest(e for e in evidence if permanent(e))
         if won is None:
             continue
-        if repeats := history.repeats(won):  # replaced already: on a spare again
-            return _repeated(won.rank, describe(won), won, repeats)
-        return Classification(won.rank, Decision.PERMANENT, describe(won), won)
+        error = _error_before_exit(evidence, won)
+        reason = describe(won) if error is None else f"{describe(won)} after {describe(error)}"
+        if repeats := history.repeats(error or won):  # replaced already: on a spare again
+            return _repeated(won.rank, reason, won, repeats, error)
+        return Classification(won.rank, Decision.PERMANENT, reason, won, error)
 
     # 5: first-hand transient evidence; 6: hearsay, attributed to the suspect peer.
     won = _earliest(e for e in evidence if not _is_hearsay(e))
@@ -297,13 +310,27 @@ def classify(
     return Classification(rank, Decision.TRANSIENT, reason, won)
 
 
-def _again(reason: str, won: Evidence, repeats: int) -> str:
-    iteration, phase = won.where
+def _error_before_exit(evidence: Sequence[Evidence], won: Evidence) -> Evidence | None:
+    """The own error (one with a place) the exited rank of `won` reported before it exited."""
+    if not isinstance(won, ProcessExited):
+        return None
+    return _earliest(e for e in evidence if e.rank == won.rank and error_signature(e) is not None)
+
+
+def _again(reason: str, error: Evidence, repeats: int) -> str:
+    iteration, phase = error.where
+    if phase == "recovery":
+        return (f"{reason}; the same error as {repeats} time(s) before in the recovery from a "
+                f"failure in iteration {iteration}, which started over")  # fmt: skip
     return (f"{reason}; the same error as {repeats} time(s) before at iteration {iteration} "
             f"(phase {phase}), which the recovery replayed as it ran")  # fmt: skip
 
 
-def _repeated(rank: int, reason: str, won: Evidence, repeats: int) -> Classification:
+def _repeated(
+    rank: int, reason: str, won: Evidence, repeats: int, error: Evidence | None = None
+) -> Classification:
     """The same own error at the same place, met again where a spare took the rank over."""
-    return Classification(rank, Decision.REPEATED, f"{_again(reason, won, repeats)}: a "
-                          "deterministic error in the training, not a fault", won)  # fmt: skip
+    cause = error or won
+    what = "recovery" if cause.where[1] == "recovery" else "training"
+    return Classification(rank, Decision.REPEATED, f"{_again(reason, cause, repeats)}: a "
+                          f"deterministic error in the {what}, not a fault", won, error)  # fmt: skip

@@ -95,8 +95,17 @@ class Guard:
         failure just shut down) and must not overwrite the cause the agent classifies by."""
         if self.ctx.stopping:
             return  # a recovery is under way: this error is its doing, not new evidence
+        mark = self.progress.read()
+        self._send(err, self.ctx.generation, (mark.iteration, mark.phase))
+
+    def report_recovery(self, err: BaseException, generation: int, iteration: int) -> None:
+        """This process's own error in the recovery into `generation` from a failure in
+        `iteration`: evidence in that generation, which the agent watches since it ordered it
+        (until the next order nothing else would tell it; it waited out its timeout)."""
+        self._send(err, generation, (iteration, "recovery"))
+
+    def _send(self, err: BaseException, generation: int, where: tuple[int, str]) -> None:
         with self._report_lock:
-            generation = self.ctx.generation
             if self._reported_in == generation:
                 log.info("not reported (generation %d already has this process's report): "
                          "%s: %s", generation, type(err).__name__, err)  # fmt: skip
@@ -108,8 +117,7 @@ class Guard:
             kind = INJECTED_TRANSIENT
         elif cuda_error_recoverable(message) is not None:
             kind = CUDA_ERROR
-        mark = self.progress.read()
-        self.client.report_failure(self.rank, kind, message, where=(mark.iteration, mark.phase))
+        self.client.report_failure(self.rank, kind, message, where=where, generation=generation)
 
     def _unfit(self, reason: str) -> None:
         log.error("health check failed: %s; reported to the agent", reason)

@@ -211,7 +211,7 @@ class UpstreamSession(ProtectedLoop):
 
     def _next_plan(self, err: Exception) -> RecoveryPlan:
         if self.takeover is not None:  # a spare holds nothing: the agent seats the next one
-            raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {err}") from err
+            raise self.recovery.takeover_failed(self.takeover.generation, err) from err
         if isinstance(err, Superseded):  # met in the rendezvous: that generation is spent
             log.info("%s; recovering into the newer generation", err)
         elif self.pending is not None:  # it failed before the state was restored

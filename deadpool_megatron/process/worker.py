@@ -97,6 +97,7 @@ def watch(
     recovery = ProcessRecovery(
         cfg, env, ctx, store, progress, CommunicatorAbort(control_ports(env, dpc)),
         protect=partial(_protect, cfg, env, guard), report=guard.report, inject=guard.inject,
+        report_recovery=guard.report_recovery,
         keep_model=keep_model, reserve=takeover.reserve if takeover is not None else None,
         prebuilt=takeover.prebuilt if takeover is not None else None,
     )  # fmt: skip
@@ -143,8 +144,11 @@ def run_worker(
         if end is None:
             log.warning("the job's last iteration is not in the store (its set-up never "
                         "finished); taking it from the flags and where training starts")  # fmt: skip
-        trainer = recovery.take_over(takeover.generation,
-                                     partial(make_trainer, end_iteration=end))  # fmt: skip
+        try:  # a failed takeover logged why (its own error with the traceback)
+            trainer = recovery.take_over(takeover.generation,
+                                         partial(make_trainer, end_iteration=end))  # fmt: skip
+        except RecoveryFailed as lost:
+            return _cannot_recover(guard, lost)
     else:
         try:
             stop = guard.check_stop if guard is not None and dpc.deadpool else None

@@ -28,6 +28,12 @@ def caused_here(err: BaseException) -> bool:
     return not is_peer_loss_message(str(err))
 
 
+def failed_here(err: BaseException) -> bool:
+    """Whether `err` is this process's failure, for the agent to hear of: its own error, or a
+    fault injected into it (raise@, announced as such); not what a failure elsewhere does."""
+    return isinstance(err, InjectedFault) or caused_here(err)
+
+
 def _signature(err: BaseException) -> tuple[str, str]:
     return type(err).__name__, str(err)
 

@@ -75,7 +75,7 @@ from .exchange import (
 from .held import Held
 from .kept import Kept, adopt_prebuilt, keep_or_build
 from .leftovers import LeftBehind
-from .own_failure import OwnFailure, caused_here
+from .own_failure import OwnFailure, caused_here, failed_here
 from .plan import RecoveryPlan, anyone_builds
 from .release import collect_left_behind
 from .transfer import transfer_state
@@ -115,6 +115,7 @@ class ProcessRecovery:
         protect: Protect,
         report: Callable[[BaseException], None] | None = None,
         inject: Callable[[int, str], None] | None = None,
+        report_recovery: Callable[[BaseException, int, int], None] | None = None,
         timeouts: StageTimeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -134,6 +135,8 @@ class ProcessRecovery:
         self.abort = abort
         self.protect = protect  # builds a generation's protection pipeline (collective)
         self.report = report  # evidence of this process's own failure, for the agent
+        # ... and of its own error in a recovery: (error, generation, iteration recovered from)
+        self.report_recovery = report_recovery
         self.inject = inject  # fault injection at the "recovery" phase
         self.timeouts = timeouts or StageTimeouts.from_config(cfg.deadpool)
         self.exchange = RecoveryExchange(ctx, env.rank, env.world_size, self.timeouts, clock,
@@ -234,7 +237,25 @@ class ProcessRecovery:
         except RecoveryFailed:
             raise
         except Exception as e:
-            raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {e}") from e
+            raise self.takeover_failed(generation, e) from e
+
+    def takeover_failed(self, generation: int, err: BaseException) -> RecoveryFailed:
+        """A claimed spare's takeover failed: it holds nothing to stay for and leaves (the
+        agent seats the next spare). Its own error is reported first: the agent weighs it
+        with the exit, so that the same error met by the rank's every holder ends the job."""
+        own = caused_here(err)
+        if failed_here(err):
+            self._report_failure(err, generation)
+        log.warning("taking over rank %d in generation %d failed: %s: %s", self.env.rank,
+                    generation, type(err).__name__, err, exc_info=err if own else None)  # fmt: skip
+        return RecoveryFailed(f"taking over rank {self.env.rank} failed: {err}")
+
+    def _report_failure(self, err: BaseException, generation: int) -> None:
+        """This process's failure in the recovery into `generation` (own_failure.failed_here):
+        the agent hears of it now (a failed attempt otherwise waits for an order nobody gave,
+        and the agent waited out its recovery timeout, 300 s)."""
+        if self.report_recovery is not None:
+            self.report_recovery(err, generation, self._failed_iteration)
 
     def joining(self, generation: int) -> None:
         """A claimed spare: the order it was claimed for is known (before its order watcher
@@ -465,11 +486,14 @@ class ProcessRecovery:
 
     def failed_attempt(self, generation: int, err: Exception, trainer: Trainer | None) -> None:
         """An attempt failed: wait for a newer order, unless it failed with the very error
-        that started the recovery (own_failure.py): then raise RecoveryFailed."""
+        that started the recovery (own_failure.py): then raise RecoveryFailed. Its own error
+        is reported first, the cause the agent orders that newer generation for."""
         repeated = self._own.repeated(err)
+        own = caused_here(err)
         log.warning("recovery into generation %d failed: %s: %s", generation,
-                    type(err).__name__, err,
-                    exc_info=err if caused_here(err) and not repeated else None)  # fmt: skip
+                    type(err).__name__, err, exc_info=err if own and not repeated else None)  # fmt: skip
+        if failed_here(err):
+            self._report_failure(err, generation)
         self.abort.abort()
         self._keep(trainer.detach() if trainer is not None else None)
         self._spent = max(self._spent, generation)  # its store prefix is spent: never retry

@@ -100,6 +100,28 @@ def test_unrecoverable_hot_swap_falls_back_to_the_checkpoint(tmp_path):
     assert "was replicated on ranks [2] only" in restart["reason"]
 
 
+def test_a_recovery_failing_the_same_way_falls_back_to_the_checkpoint_bitwise(tmp_path, baseline):
+    # Every process holding rank 0 fails in the recovery from iteration 5 (its own error,
+    # bug@0:5:recovery): reset, replaced, then the spare meets it too. A restart from the
+    # persistent checkpoint runs no recovery, so with --save the job falls back to it and
+    # finishes, equal to the failure-free run.
+    log = tmp_path / "events.jsonl"
+    args = [*SHAPE_PP2, "--deadpool", "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
+            "--deadpool-inject", "raise@1:5,bug@0:5:recovery", "--deadpool-event-log",
+            str(log)]  # fmt: skip
+    result = run_job(tmp_path, 4, args, spares=1)
+    assert result.returncode == 0, result.failure()
+    assert result.losses == baseline.losses and result.digest == baseline.digest
+    assert "the recovery cannot succeed in memory: falling back to the persistent checkpoint" in (
+        result.output
+    )
+    events = read_events(str(log))
+    (restart,) = [e for e in events if e["event"] == "job_restart"]
+    assert restart["reason"] == "rank 0's recovery failed the same way again"
+    (loaded,) = [e for e in events if e["event"] == "checkpoint_loaded"]
+    assert loaded["iteration"] == 3
+
+
 def test_async_save_restarts_from_a_committed_checkpoint_bitwise(tmp_path):
     # Checkpoints are written by background processes and committed a few iterations later;
     # the restart loads the newest committed one (never one still being written).

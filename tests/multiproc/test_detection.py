@@ -138,6 +138,33 @@ def test_an_error_the_replay_meets_again_is_replaced_once_then_ends_the_job(tmp_
     assert "falling back to the persistent checkpoint" not in result.output
 
 
+def test_an_error_in_a_recovery_is_reset_then_replaced_then_ends_the_job_in_seconds(tmp_path):
+    # Rank 1's transient failure in iteration 5 starts a recovery, in which rank 0 fails with
+    # an error of its own (bug@0:5:recovery: every process holding rank 0 meets it there, a
+    # spare too). Before, the failed attempt waited for a newer order nobody gave and the job
+    # ended after the launcher's 300 s recovery timeout; now the error is reported in the
+    # generation it recovered into: reset in place, replaced when the recovery meets it
+    # again, and the job ends when the spare, which reports it and exits, does.
+    result, events = _inject(tmp_path, "raise@1:5,bug@0:5:recovery", iters=12, spares=1)
+    assert result.returncode == 1, result.failure()
+    detected = [(e["rank"], e["kind"]) for e in events if e["event"] == "failure_detected"]
+    assert detected == [(1, "transient"), (0, "transient"), (0, "permanent"), (0, "repeated")]
+    assert "the same error as 2 time(s) before in the recovery from a failure in iteration 5" in (
+        result.output
+    )
+    assert "a deterministic error in the recovery, not a fault; ending the job" in result.output
+    assert (
+        "ProcessExited: rank 0 exited with status 1 after CollectiveError: rank 0: InjectedBug"
+        in (result.output)
+    )
+    assert result.output.count("spare 0 claimed: takes over rank 0") == 1
+    assert "did not finish within" not in result.output
+    (ended,) = [e for e in events if e["event"] == "job_ended"]
+    assert ended["reason"] == "rank 0 failed the same way again"
+    started = [e["time"] for e in events if e["event"] == "recovery_started"]
+    assert ended["time"] - started[0] < 60, events  # seconds here; the timeout was 300
+
+
 def test_heartbeats_and_membership_through_etcd(tmp_path, baseline, etcd_url):
     job = f"etcd-{tmp_path.name[-12:]}"
     log = tmp_path / "events.jsonl"

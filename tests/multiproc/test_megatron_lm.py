@@ -510,3 +510,30 @@ def test_upstream_set_up_that_fails_again_the_same_way_ends_the_job_with_its_tra
     assert "it would fail the same way again" in output
     assert "did not finish within" not in output
     assert "ending the job" in output
+
+
+def test_upstream_recovery_that_fails_the_same_way_falls_back_to_its_checkpoint_bitwise(
+    megatron_lm, failure_free, tmp_path
+):
+    # Rank 1's transient failure in iteration 6 starts a recovery in which every process
+    # holding rank 0 fails after pretrain()'s set-up (bug@0:6:recovery, an error of its own,
+    # as a TypeError in a set-up run again): reported in the generation it recovered into,
+    # reset, replaced, met by the spare too. Before, the failed attempt waited for an order
+    # nobody gave, 300 s. A restart from Megatron-LM's checkpoint runs no recovery: the job
+    # falls back to it and ends equal to the failure-free run.
+    losses, final = failure_free
+    save = tmp_path / "ckpt"
+    got, got_final, output = run(
+        megatron_lm, tmp_path, "recovery_bug",
+        ["--deadpool-inject", "raise@1:6,bug@0:6:recovery", "--save", str(save),
+         "--save-interval", "4", "--load", str(save)],
+        spares=1,
+    )  # fmt: skip
+    assert "the same error as 2 time(s) before in the recovery from a failure in iteration 6" in (
+        output
+    )
+    assert "the recovery cannot succeed in memory: falling back to the persistent checkpoint" in (
+        output
+    )
+    assert "did not finish within" not in output
+    assert got == losses and got_final["state_digest"] == final["state_digest"]

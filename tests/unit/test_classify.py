@@ -308,6 +308,48 @@ def test_an_own_error_replayed_at_the_same_place_is_replaced_then_ends_the_job()
     assert classify([hearsay], history.record_error(hearsay)).kind is T
 
 
+def test_an_own_error_in_a_recovery_resets_then_is_replaced_then_ends_on_the_spare():
+    # A recovery's own error has its place as (the iteration recovered from, "recovery"):
+    # the rank that holds it resets in place, is replaced when the recovery meets it again,
+    # and the spare that reports it and exits (its takeover failed: it holds nothing) ends
+    # the job. The exit decides (permanent); the error is what is matched and recorded.
+    bug = "InjectedBug: injected bug at iteration 5, phase recovery"
+    first = CollectiveError(0, bug, 10.0, where=(5, "recovery"))
+    c = classify([first], FailureHistory())
+    assert c.kind is T and c.cause is first
+    history = FailureHistory().record(0, 10.0).record_error(c.cause)
+    c = classify([CollectiveError(0, bug, 20.0, where=(5, "recovery"))], history)
+    assert c.kind is P and "in the recovery from a failure in iteration 5" in c.reason
+    history = history.record_error(c.cause)
+    exited = ProcessExited(0, 1, 30.1)
+    on_spare = CollectiveError(0, bug, 30.0, where=(5, "recovery"))
+    hearsay = CollectiveError(2, CLOSED, 30.05, peer=0)
+    c = classify([hearsay, exited, on_spare], history)
+    assert c.kind is Decision.REPEATED and c.rank == 0
+    assert c.evidence is exited and c.cause is on_spare
+    assert c.reason.startswith("ProcessExited: rank 0 exited with status 1 after CollectiveError")
+    assert "the same error as 2 time(s) before in the recovery from a failure in iteration 5" in (
+        c.reason
+    )
+    # the first spare to meet it is replaced (a spare meeting it again ends the job)
+    once = FailureHistory().record_error(first)
+    c = classify([exited, on_spare], FailureHistory())
+    assert c.kind is P and c.cause is on_spare and "after CollectiveError" in c.reason
+    assert classify([exited, on_spare], once).kind is Decision.REPEATED
+    # an exit alone, or with another rank's error or a peer's loss only: the exit as before
+    for evidence in (
+        [exited],
+        [exited, hearsay],
+        [exited, CollectiveError(1, bug, 30.0, where=(5, "recovery"))],
+    ):
+        c = classify(evidence, history)
+        assert (
+            c.kind is P
+            and c.cause is exited
+            and c.reason == "ProcessExited: rank 0 exited with status 1"
+        ), evidence
+
+
 def test_the_errors_kept_are_the_newest_and_outlive_the_transient_window():
     from deadpool_megatron.failure.classify import ERRORS_KEPT
 

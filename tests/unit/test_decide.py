@@ -104,3 +104,26 @@ def test_why_the_job_ends_names_the_rank_its_process_and_the_status():
     line, reason, status = why_it_ends(repeated, 4242)
     assert line.startswith("the same error as 2 time(s) before; ending the job (the traceback")
     assert (reason, status) == ("rank 1 failed the same way again", 1)
+
+
+def test_a_recovery_that_fails_the_same_way_restarts_from_the_checkpoint_if_told_to():
+    # An error of the recovery itself (its place is phase recovery): a spare meets it again,
+    # a restart from the persistent checkpoint runs no recovery. Falls back only when the
+    # job says so (--deadpool-on-unrecoverable checkpoint-restart); a repeated training
+    # error ends the job either way.
+    from deadpool_megatron.agent.decide import why_it_ends
+    from deadpool_megatron.failure.evidence import CollectiveError
+
+    bug = CollectiveError(1, "InjectedBug: bug", 0.0, where=(5, "recovery"))
+    in_recovery = Classification(1, Decision.REPEATED, "the same error", ProcessExited(1, 1, 0.1),
+                                 bug)  # fmt: skip
+    restart = Response(Action.RESTART, False, False)
+    assert respond(in_recovery, "hotswap", True, True, falls_back=True) == restart
+    assert respond(in_recovery, "hotswap", True, True) == END
+    line, _, _ = why_it_ends(in_recovery, 4242)
+    assert line.endswith("a spare would meet it again; a restart from the checkpoint would not "
+                         "(--deadpool-on-unrecoverable checkpoint-restart)")  # fmt: skip
+    in_training = Classification(1, Decision.REPEATED, "the same error",
+                                 CollectiveError(1, "bug", 0.0, where=(5, "forward")))  # fmt: skip
+    assert respond(in_training, "hotswap", True, True, falls_back=True) == END
+    assert why_it_ends(in_training, 4242)[0].endswith("a spare or a restart would meet it again")

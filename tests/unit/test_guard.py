@@ -91,3 +91,21 @@ def test_a_rank_that_never_comes_to_the_point_is_not_waited_for_beyond_the_bound
     assert client.strike_together("7:forward", 0, (1, 3), 20.0, clock=lambda: now[0],
                                   sleep=sleep) == (1, 3)  # fmt: skip
     assert 20.0 <= now[0] < 21.0
+
+
+def test_an_own_error_in_a_recovery_is_reported_in_the_generation_it_recovered_into(kv):
+    # The process is still in generation 0, stopping (ordered 1): `report` says nothing then
+    # (what a recovery does to it is not new evidence), `report_recovery` speaks for
+    # generation 1, the one the agent watches, with the iteration recovered from.
+    guard, ctx = _guard(kv)
+    ctx.see_order(1)
+    guard.report(RuntimeError("a peer's abort, seen while stopping"))
+    assert _report(kv, 0) is None
+    guard.report_recovery(TypeError("jit_warmup() got an unexpected keyword"), 1, 7)
+    r = _report(kv, 1)
+    assert (r.kind, r.iteration, r.phase) == (COLLECTIVE_ERROR, 7, "recovery")
+    assert r.message == "TypeError: jit_warmup() got an unexpected keyword"
+    guard.report_recovery(RuntimeError("later"), 1, 7)  # one report per generation
+    assert _report(kv, 1).message.startswith("TypeError")
+    guard.report_recovery(InjectedFault("raise@2:7:recovery"), 2, 7)
+    assert _report(kv, 2).kind == INJECTED_TRANSIENT

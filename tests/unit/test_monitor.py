@@ -341,3 +341,24 @@ def test_a_reported_cuda_error_is_cuda_evidence_and_an_illegal_access_is_permane
     e = d.classification.evidence
     assert type(e).__name__ == "CudaError" and not e.recoverable and e.where == (4, "forward")
     assert (d.classification.rank, d.classification.kind.value) == (2, "permanent")
+
+
+def test_an_exit_is_classified_with_the_own_error_its_process_reported_before_it(kv):
+    # A spare whose takeover failed reports its error, then exits: the exit is seen at once,
+    # and the report must be read with it (not a store poll later), since the error is what
+    # the replay rule matches. The store was read 0.05 s before the exit: not due again yet.
+    clock, codes = Clock(), {}
+    monitor = make(kv, codes, clock)
+    assert advance(monitor, clock, 0.2) is None
+    bug = "InjectedBug: injected bug at iteration 5, phase recovery"
+    kv.set(keys.report(JOB, 0, 1), FailureReport("collective_error", bug, 1000.2, 5,
+                                                 "recovery").encode())  # fmt: skip
+    codes[1] = 1
+    d = advance(monitor, clock, 0.05)
+    c = d.classification
+    assert (c.rank, c.kind.value, type(c.evidence).__name__) == (1, "permanent", "ProcessExited")
+    assert c.cause.where == (5, "recovery") and "after CollectiveError: rank 1: InjectedBug" in (
+        c.reason
+    )
+    monitor.record_error(c.cause)
+    assert monitor.history.errors == ((bug, 5, "recovery"),)

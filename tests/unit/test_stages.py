@@ -28,6 +28,7 @@ from deadpool_megatron.control.messages import (
 )
 from deadpool_megatron.failure.hang import HangPolicy
 from deadpool_megatron.failure.progress import ProgressBoard
+from deadpool_megatron.megatron.gloo_ops import AbortedByRecovery
 from deadpool_megatron.process.watcher import OrderWatcher
 from deadpool_megatron.recovery.accounting import Lap, Resumed
 from deadpool_megatron.recovery.release import free_generation, release_groups
@@ -206,6 +207,51 @@ def test_a_failed_attempt_waits_for_a_newer_order_and_never_reuses_its_generatio
     for g in (1, 2):  # holdings reported for both generations
         assert kv.get(keys.holdings(JOB, g, 1)) is not None
     assert recovery.progress.read().phase == "recovery"
+
+
+def test_a_failed_attempt_reports_its_own_error_in_the_generation_it_recovered_into(kv):
+    # Nothing else would tell the agent (its monitor watches generation 1, which it ordered):
+    # the job waited out the 300 s recovery timeout. A peer's loss is not reported.
+    time_ = FakeTime()
+    told = []
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    recovery.report_recovery = lambda err, generation, iteration: told.append(
+        (str(err), generation, iteration))  # fmt: skip
+    bug = TypeError("jit_warmup() got an unexpected keyword argument 'tp_size'")
+    Scripted.outcomes = {1: bug, 2: RuntimeError("Connection closed by peer"), 3: object()}
+    for g in (1, 2, 3):
+        kv.set(keys.recovery_plan(JOB, g), PlanDecision(plan(g), 8).encode())
+    ctx.see_order(1)
+    time_.at.append((1.0, lambda: ctx.see_order(2)))
+    time_.at.append((2.0, lambda: ctx.see_order(3)))
+    recovery.recover(FakeTrainer(), RecoveryOrdered("recovery into generation 1 ordered"))
+    assert told == [(str(bug), 1, 8)] and ctx.generation == 3  # 8: the plan's failed iteration
+
+
+def test_a_spare_whose_takeover_failed_reports_its_own_error_before_it_leaves(kv):
+    time_ = FakeTime()
+    told = []
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    recovery.report_recovery = lambda err, generation, iteration: told.append(
+        (type(err).__name__, generation, iteration))  # fmt: skip
+    Scripted.outcomes = {1: ValueError("a bug in the set-up")}
+    kv.set(keys.recovery_plan(JOB, 1), PlanDecision(replacing(plan(1), 1), 8).encode())
+    with pytest.raises(RecoveryFailed, match="taking over rank 1 failed: a bug in the set-up"):
+        recovery.take_over(1, make_trainer=None)
+    assert told == [("ValueError", 1, 8)]
+    # superseded by a newer order (a failure elsewhere): it leaves, nothing reported
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    recovery.report_recovery = lambda *args: told.append(args)
+    Scripted.outcomes = {2: AbortedByRecovery("communication aborted: a recovery was ordered")}
+    kv.set(keys.recovery_plan(JOB, 2), PlanDecision(replacing(plan(2), 1), 8).encode())
+    with pytest.raises(RecoveryFailed, match="communication aborted"):
+        recovery.take_over(2, make_trainer=None)
+    assert len(told) == 1
+
+
+def replacing(p, rank):
+    return dataclasses.replace(p, replaced={rank: "spare-0"},
+                               local_restores=tuple(r for r in p.local_restores if r != rank))  # fmt: skip
 
 
 def test_a_failed_set_up_is_set_up_again_only_by_a_plan_from_the_start(kv):
