@@ -33,7 +33,7 @@ from ..control.monitor import Detection, Monitor
 from ..control.store import StoreTimeout
 from ..control.wait import wait_until
 from ..events import FENCED, EventLog
-from ..recovery.coordinator import Coordinator, OrderExists, Recovery, SpareUnavailable
+from ..recovery.coordinator import Coordinator, OrderExists, Recovery, SpareUnavailable, claimed
 from ..recovery.placement import order_spares
 from ..recovery.plan import TrainingFinished, Unrecoverable
 from .children import Child
@@ -361,7 +361,7 @@ class HotSwap:
     def adopt(self, plan: RecoveryPlan) -> None:
         """The plan's word on this node: claimed local spares now hold ranks; local ranks it
         gave to spares elsewhere are no longer this node's."""
-        for rank, sid in sorted(plan.replaced.items()):
+        for rank, sid in sorted(claimed(plan).items()):  # a spare seated already stays
             old = self.run.replace(rank, plan.generation)
             if old is not None:
                 if old.alive():

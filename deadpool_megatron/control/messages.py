@@ -221,11 +221,14 @@ class RankHoldings:
 class HoldingsReport(Record):
     """A live rank's holdings for a recovery, the last iteration whose step it finished, and
     whether it has trained at all in this launch (False: it is still where training starts,
-    in its set-up or its first iteration, and could set up again instead)."""
+    in its set-up or its first iteration, and could set up again instead). `arriving`: the
+    rank's process is a spare that an earlier recovery seated and a newer order cut short: it
+    holds nothing of the rank yet and stays, to receive its state as a replaced rank would."""
 
     holdings: RankHoldings
     completed: int
     trained: bool = True
+    arriving: bool = False
 
     def to_doc(self) -> dict:
         h = self.holdings
@@ -234,13 +237,15 @@ class HoldingsReport(Record):
             "replicas": {str(o): sorted(its) for o, its in h.replicas.items()},
             "completed": self.completed,
             "trained": self.trained,
+            "arriving": self.arriving,
         }
 
     @classmethod
     def from_doc(cls, doc: dict) -> HoldingsReport:
         replicas = {int(o): frozenset(its) for o, its in doc["replicas"].items()}
         holdings = RankHoldings(frozenset(doc["snapshots"]), replicas)
-        return cls(holdings, int(doc["completed"]), bool(doc.get("trained", True)))
+        return cls(holdings, int(doc["completed"]), bool(doc.get("trained", True)),
+                   bool(doc.get("arriving", False)))  # fmt: skip
 
 
 FROM_START = -1  # a plan's iteration when every rank sets up again (RecoveryPlan.from_start)
@@ -268,6 +273,9 @@ class RecoveryPlan:
     # Nothing trained yet and nothing to restore: every rank sets up again, as at the job's
     # start (the seeded model, or --load's checkpoint), and `iteration` is FROM_START.
     from_start: bool = False
+    # Replaced ranks whose spare an earlier, superseded recovery seated (HoldingsReport
+    # .arriving): the same process receives their state; no spare is claimed for them.
+    arriving: tuple[int, ...] = ()
 
     @property
     def generation(self) -> int:
@@ -299,6 +307,7 @@ class PlanDecision(Record):
             "transfers": [[t.kind, t.src, t.dst, t.owner, t.iteration] for t in p.transfers],
             "prebuilt": list(p.prebuilt),
             "from_start": p.from_start,
+            "arriving": list(p.arriving),
             "failed_iteration": self.failed_iteration,
         }
 
@@ -316,6 +325,7 @@ class PlanDecision(Record):
             transfers=tuple(Transfer(*t) for t in doc["transfers"]),
             prebuilt=tuple(int(r) for r in doc.get("prebuilt", ())),
             from_start=bool(doc.get("from_start", False)),
+            arriving=tuple(int(r) for r in doc.get("arriving", ())),
         )
         return cls(plan, int(doc["failed_iteration"]))
 

@@ -194,7 +194,7 @@ class UpstreamSession(ProtectedLoop):
                 if not self.cfg.deadpool.deadpool:
                     return self.guard.failed(err)
                 try:
-                    plan = self._next_plan(err)
+                    plan = self._next_plan(err, plan)
                 except RecoveryFailed as lost:
                     return self._lost(lost)
         self._finish()
@@ -209,9 +209,10 @@ class UpstreamSession(ProtectedLoop):
         there, and the set-up stops as on any order."""
         self.guard.check_stop()
 
-    def _next_plan(self, err: Exception) -> RecoveryPlan:
-        if self.takeover is not None:  # a spare holds nothing: the agent seats the next one
-            raise self.recovery.takeover_failed(self.takeover.generation, err) from err
+    def _next_plan(self, err: Exception, plan: RecoveryPlan | None) -> RecoveryPlan:
+        if self.takeover is not None:  # a claimed spare, not seated yet (takeover_again)
+            self.pending = None
+            return self.recovery.takeover_again(plan.generation, err)
         if isinstance(err, Superseded):  # met in the rendezvous: that generation is spent
             log.info("%s; recovering into the newer generation", err)
         elif self.pending is not None:  # it failed before the state was restored

@@ -98,6 +98,11 @@ class Recovery:
     finished: set[int] = field(default_factory=set)  # ranks that exited with status 0
 
 
+def claimed(plan: RecoveryPlan) -> dict[int, str]:
+    """The replaced ranks whose spare this plan claims (not those seated already)."""
+    return {r: s for r, s in plan.replaced.items() if r not in plan.arriving}
+
+
 class OrderExists(DeadpoolError):
     """Another writer already ordered a recovery into this generation."""
 
@@ -197,17 +202,20 @@ class Coordinator:
         replaced ranks whose spare does)."""
         current = self.membership.current()
         view = Membership(current.generation, current.ranks, tuple(free_spares))
+        arriving = {r for r, h in held.items() if h.arriving}  # seated by a superseded one
         try:
             plan = plan_recovery(
-                view, self.topology, rec.permanent, {r: h.holdings for r, h in held.items()},
-                self.replicas, rec.finished, untrained=not any(h.trained for h in held.values()),
+                view, self.topology, rec.permanent,
+                {r: h.holdings for r, h in held.items() if r not in arriving}, self.replicas,
+                rec.finished, untrained=not any(h.trained for h in held.values()),
+                arriving=arriving,
             )  # fmt: skip
             ready = {} if plan.from_start else prebuilt or {}  # from the start, all build
             plan = dataclasses.replace(plan, prebuilt=tuple(
                 r for r, s in sorted(plan.replaced.items()) if r in ready.get(s, ())
             ))  # fmt: skip
             joined = tuple(s for s in free_spares if s not in current.spares)
-            for _, spare_id in sorted(plan.replaced.items()):
+            for _, spare_id in sorted(claimed(plan).items()):
                 if not self.membership.claim_spare(
                     spare_id, current.generation, self.claimer, joined
                 ):
@@ -227,7 +235,7 @@ class Coordinator:
             decision = PlanDecision(unrecoverable=str(err))
             self.ctx.put(keys.recovery_plan(self.job, rec.generation), decision)
             raise
-        for rank, spare_id in sorted(plan.replaced.items()):
+        for rank, spare_id in sorted(claimed(plan).items()):
             assignment = SpareAssignment(rank, rec.generation)
             self.ctx.put(keys.assignment(self.job, spare_id), assignment)
             self.events.emit(SPARE_CLAIMED, spare=spare_id, replaces=rank)
@@ -242,6 +250,7 @@ class Coordinator:
             "nothing trained yet: every rank sets up again from the start" if plan.from_start
             else f"roll back to iteration {plan.iteration}",
             ", ".join(f"{s} replaces rank {r}" + (" (prebuilt)" if r in plan.prebuilt else "")
+                      + (" (seated already)" if r in plan.arriving else "")
                       for r, s in plan.replaced.items()) or "no spare",
             ", ".join(f"{t.kind} {t.src}->{t.dst}" for t in plan.transfers) or "none",
         )  # fmt: skip

@@ -51,6 +51,7 @@ def plan_recovery(
     replicas: int = 1,
     finished: Collection[int] = (),
     untrained: bool = False,
+    arriving: Collection[int] = (),
 ) -> RecoveryPlan:
     """The next generation after the ranks in `permanent` are lost for good.
 
@@ -58,12 +59,18 @@ def plan_recovery(
     both keep their process and host buffers); `finished`: ranks that exited with status 0,
     replaced like failed ones unless no rank is live; `untrained`: no live rank has trained
     an iteration yet (a failure during the set-up or the first iteration), so where nothing
-    can be restored every rank sets up again instead (`from_start`). Raises Unrecoverable
-    naming what was lost, TrainingFinished when every rank that did not fail had finished.
+    can be restored every rank sets up again instead (`from_start`); `arriving`: ranks whose
+    process is a spare an earlier, superseded recovery seated, holding nothing yet: they
+    receive their state as replaced ranks do, from the same process (no spare is taken).
+    Raises Unrecoverable naming what was lost, TrainingFinished when every rank that did not
+    fail had finished.
     """
     live = set(holdings)
     done = set(finished)
-    missing = set(range(topology.world_size)) - live - permanent - done
+    coming = set(arriving)
+    if coming & (live | permanent | done):
+        raise ValueError(f"arriving ranks {sorted(coming)} are also live, failed or finished")
+    missing = set(range(topology.world_size)) - live - permanent - done - coming
     if missing:
         raise ValueError(f"ranks {sorted(missing)} are neither live, failed nor finished")
     if done and not live:
@@ -84,6 +91,10 @@ def plan_recovery(
         except MembershipError as err:
             raise Unrecoverable(str(err)) from err
         replaced[rank] = new_view.member(rank).process_id
+    for rank in sorted(coming):  # seated already: the process stays, the state comes to it
+        replaced[rank] = view.member(rank).process_id
+    replaced = dict(sorted(replaced.items()))
+    permanent = permanent | coming  # sourced as replaced ranks: from live peers only
     # One recovery is one new generation (a transient one too: every communicator is rebuilt
     # on a fresh store prefix), however many ranks it replaces.
     new_view = Membership(view.generation + 1, new_view.ranks, new_view.spares)
@@ -98,9 +109,11 @@ def plan_recovery(
                 replaced=replaced,
                 local_restores=tuple(sorted(live)),
                 transfers=tuple(transfers),
+                arriving=tuple(sorted(coming)),
             )
     if untrained:  # the state training starts from is rebuilt, as it was built the first time
-        return RecoveryPlan(new_view, FROM_START, replaced, (), (), from_start=True)
+        return RecoveryPlan(new_view, FROM_START, replaced, (), (), from_start=True,
+                            arriving=tuple(sorted(coming)))  # fmt: skip
     if not candidates:
         raise Unrecoverable(
             "the live ranks share no committed snapshot iteration: "

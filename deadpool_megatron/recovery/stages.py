@@ -227,17 +227,47 @@ class ProcessRecovery:
                 log.info("%s; recovering into the newer generation", why)
 
     def take_over(self, generation: int, make_trainer: MakeTrainer) -> Trainer:
-        """A claimed spare joins the recovery into `generation`; returns its trainer. Any
-        failure ends it (it holds nothing yet; the agent seats the next spare)."""
+        """A claimed spare joins the recovery into `generation`; returns its trainer. Its own
+        failure ends it (it holds nothing yet; the agent seats the next spare); a failure
+        elsewhere that cuts it short seats it in the next generation too (takeover_again).
+        Raises RecoveryFailed."""
         plan = self.takeover_plan(generation)
-        try:
-            rebuilt = self.rebuild(plan, None, make_trainer)
-            self.complete(plan, rebuilt)
-            return rebuilt.trainer
-        except RecoveryFailed:
-            raise
-        except Exception as e:
-            raise self.takeover_failed(generation, e) from e
+        while True:
+            try:
+                rebuilt = self.rebuild(plan, None, make_trainer)
+                self.complete(plan, rebuilt)
+                return rebuilt.trainer
+            except RecoveryFailed:
+                raise
+            except Exception as e:
+                plan = self.takeover_again(plan.generation, e)
+
+    def takeover_again(self, generation: int, err: BaseException) -> RecoveryPlan:
+        """A claimed spare's takeover into `generation` failed after its plan seated it. Its
+        own failure ends it (takeover_failed). Otherwise a failure elsewhere cut it short (a
+        newer order, a peer lost): it holds the rank in the committed membership and stays,
+        holding nothing, for the next plan, which sends it the rank's state again. Before,
+        it left, and the next recovery took another spare for its rank: with none left, the
+        job could not go on. Returns that plan; raises RecoveryFailed."""
+        if failed_here(err):
+            raise self.takeover_failed(generation, err) from err
+        log.warning("taking over rank %d in generation %d was cut short: %s: %s; seated, it "
+                    "waits for the next plan", self.env.rank, generation, type(err).__name__,
+                    err)  # fmt: skip
+        self.abort.abort()
+        self._spent = max(self._spent, generation)  # its store prefix is spent: never retry
+        while True:
+            generation = self.await_order()
+            self.report_holdings(generation, arriving=True)
+            try:
+                plan = self.await_plan(generation)
+            except Superseded as why:
+                log.info("%s; recovering into the newer generation", why)
+                continue
+            if self.env.rank not in plan.arriving:
+                raise RecoveryFailed(f"the plan of generation {generation} does not seat rank "
+                                     f"{self.env.rank} here again: {plan.arriving}")  # fmt: skip
+            return plan
 
     def takeover_failed(self, generation: int, err: BaseException) -> RecoveryFailed:
         """A claimed spare's takeover failed: it holds nothing to stay for and leaves (the
@@ -322,10 +352,11 @@ class ProcessRecovery:
     def await_order(self) -> int:
         return self.exchange.await_order(self._spent)
 
-    def report_holdings(self, generation: int) -> None:
-        self.exchange.report_holdings(
-            generation, HoldingsReport(self.held.holdings(), self.completed, self.trained)
-        )
+    def report_holdings(self, generation: int, arriving: bool = False) -> None:
+        """`arriving`: a seated spare whose takeover was cut short (takeover_again)."""
+        self.exchange.report_holdings(generation, HoldingsReport(
+            self.held.holdings(), self.completed, self.trained, arriving=arriving
+        ))  # fmt: skip
 
     # -- 3. plan -----------------------------------------------------------------------------
     def await_plan(self, generation: int) -> RecoveryPlan:

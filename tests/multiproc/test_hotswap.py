@@ -317,6 +317,24 @@ def test_spare_dying_during_its_own_recovery_is_replaced_by_the_next(tmp_path, b
     assert done["replaced"] == {"3": "spare-1"}
 
 
+def test_a_failure_during_a_spare_s_takeover_keeps_the_spare_and_recovers_bitwise(
+    tmp_path, baseline_pp2
+):
+    # Rank 3 dies in iteration 6 and spare-0 is seated on it; rank 0 fails transiently while
+    # they recover (raise@0:6:recovery), so generation 2 is ordered before spare-0 finished.
+    # spare-0 holds rank 3 in the membership: it stays and receives rank 3's state again, one
+    # spare for one lost rank. Before, it left too, and with no spare left the job ended.
+    result, events = run_injected(tmp_path, 4, SHAPE_PP2, "kill@3:6,raise@0:6:recovery", spares=1)
+    assert_same_run(result, baseline_pp2)
+    assert [s["generation"] for s in named(events, "recovery_started")] == [1, 2]
+    claimed = [(c["spare"], c["replaces"]) for c in named(events, "spare_claimed")]
+    assert claimed == [("spare-0", 3)]
+    (done,) = assert_recovered(events)
+    assert done["generation"] == 2 and done["replaced"] == {"3": "spare-0"}
+    assert "spare-0 replaces rank 3 (seated already)" in result.output
+    assert "taking over rank 3 in generation 1 was cut short" in result.output
+
+
 def test_adjacent_ring_ranks_lost_together_with_one_replica_is_unrecoverable(tmp_path):
     # Rank 1's optimizer shard lives on rank 1 and its ring successor 2 only: both die.
     result, events = run_injected(tmp_path, 4, SHAPE_DP4, TOGETHER, spares=2)

@@ -537,3 +537,21 @@ def test_upstream_recovery_that_fails_the_same_way_falls_back_to_its_checkpoint_
     )
     assert "did not finish within" not in output
     assert got == losses and got_final["state_digest"] == final["state_digest"]
+
+
+def test_upstream_failure_during_a_spare_s_takeover_keeps_the_spare_bitwise(
+    megatron_lm, failure_free, tmp_path
+):
+    # Rank 1 dies in iteration 6 and the one spare is seated on it; rank 0 fails transiently
+    # after pretrain()'s set-up in that recovery (raise@0:6:recovery): generation 2 cuts the
+    # spare's takeover short, and the spare, which holds rank 1 in the membership, runs
+    # pretrain() again there and receives rank 1's state. Before, it left, and with no spare
+    # left the job ended.
+    losses, final = failure_free
+    got, got_final, output = run(
+        megatron_lm, tmp_path, "takeover_cut",
+        ["--deadpool-inject", "kill@1:6,raise@0:6:recovery"], spares=1,
+    )  # fmt: skip
+    assert "taking over rank 1 in generation 1 was cut short" in output
+    assert "spare-0 replaces rank 1 (seated already)" in output
+    assert got == losses and got_final["state_digest"] == final["state_digest"]

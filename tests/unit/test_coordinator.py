@@ -100,6 +100,36 @@ def test_a_newer_recovery_is_planned_from_the_last_one(kv, tmp_path):
     assert [e["generation"] for e in started] == [1, 2]
 
 
+def test_a_seated_spare_whose_takeover_a_newer_order_cut_short_stays_and_takes_no_spare(
+    kv, tmp_path
+):
+    # Generation 1 seats spare-0 on rank 3; rank 0 fails in that recovery (transient), so
+    # generation 2 is ordered before spare-0 finished. spare-0 reports that it holds nothing
+    # (arriving): it keeps rank 3 and receives its state again; spare-1 stays free. Before,
+    # spare-0 left and rank 3 took spare-1 (or, with no spare left, the job could not go on).
+    coord, ctx = make(kv, tmp_path)
+    rec = coord.order({3}, "rank 3 exited", 1.0)
+    holdings(kv, 1, [0, 1, 2])
+    coord.decide(rec, coord.gather(rec, lambda r: None, None), ["spare-0", "spare-1"])
+    rec2 = coord.order(set(), "rank 0 failed in the recovery", 2.0)
+    holdings(kv, 2, [0, 1, 2])
+    nothing = HoldingsReport(RankHoldings(frozenset()), 0, trained=False, arriving=True)
+    kv.set(keys.holdings(JOB, 2, 3), nothing.encode())
+    plan = coord.decide(rec2, coord.gather(rec2, lambda r: None, None), ["spare-1"])
+    assert plan.replaced == {3: "spare-0"} and plan.arriving == (3,)
+    assert plan.local_restores == (0, 1, 2) and plan.iteration == 5
+    assert {(t.kind, t.src, t.dst) for t in plan.transfers} == {
+        ("parameters", 2, 3), ("replica", 2, 3)}  # fmt: skip
+    current = MembershipStore(kv, JOB).current()
+    assert current.generation == 2 and current.member(3).process_id == "spare-0"
+    assert current.spares == ("spare-1",)
+    assert kv.get(keys.spare_claim(JOB, "spare-1")) is None  # never claimed
+    assert SpareAssignment.decode(kv.get(keys.assignment(JOB, "spare-0"))).generation == 1
+    claimed = [e for e in read_events(str(tmp_path / "ev.jsonl")) if e["event"] == "spare_claimed"]
+    assert [(e["spare"], e["replaces"]) for e in claimed] == [("spare-0", 3)]  # once
+    assert PlanDecision.decode(kv.get(keys.recovery_plan(JOB, 2))).plan.arriving == (3,)
+
+
 @pytest.mark.parametrize("holder", ["another agent", "withdrawn"])
 def test_a_spare_claimed_by_someone_else_or_withdrawn_is_not_seated(kv, holder):
     # Nothing is published or committed: the agent plans again without that spare.

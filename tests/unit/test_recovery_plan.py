@@ -214,3 +214,33 @@ def test_with_experts_the_parameters_come_from_a_rank_holding_the_same_experts()
     check_plan(plan, topo)
     with pytest.raises(Unrecoverable, match=r"same TP/PP and expert coordinates .* \[3\]"):
         plan_recovery(view(topo), topo, {1, 3}, holdings(topo, {1, 3}, k=2), replicas=2)
+
+
+def test_a_seated_spare_that_holds_nothing_yet_receives_its_rank_s_state_without_a_spare():
+    # Rank 0's spare was seated by a recovery a newer order cut short: in the membership it
+    # holds rank 0 ("spare-0"), it holds no state yet. It is sourced as a replaced rank (a
+    # DP peer's parameters, its ring successor's replica) and keeps its process; no spare is
+    # taken, so it plans even with none left.
+    seated = view(TOPO_3D, spares=())
+    members = tuple(m._replace(process_id="spare-0") if m.rank == 0 else m for m in seated.ranks)
+    seated = Membership(3, members, ())
+    plan = plan_recovery(seated, TOPO_3D, set(), holdings(TOPO_3D, {0}), arriving={0})
+    assert plan.replaced == {0: "spare-0"} and plan.arriving == (0,)
+    assert plan.membership.member(0).process_id == "spare-0" and plan.generation == 4
+    assert plan.local_restores == (1, 2, 3, 4, 5, 6, 7)
+    assert set(plan.transfers) == {
+        Transfer("parameters", 2, 0, 0, 5),
+        Transfer("replica", 2, 0, 0, 5),
+    }
+    check_plan(plan, TOPO_3D)
+    # beside a failed rank that takes the one spare there is
+    two = plan_recovery(view(TOPO_3D, ("spare-1",)), TOPO_3D, {5}, holdings(TOPO_3D, {0, 5}),
+                        arriving={0})  # fmt: skip
+    assert two.replaced == {0: "w0", 5: "spare-1"} and two.arriving == (0,)
+    check_plan(two, TOPO_3D)
+    # its state gone with its only peer: unrecoverable as for any replaced rank
+    with pytest.raises(Unrecoverable, match="no live DP peer"):
+        plan_recovery(view(TOPO_3D, ("spare-1",)), TOPO_3D, {2}, holdings(TOPO_3D, {0, 2}),
+                      arriving={0})  # fmt: skip
+    with pytest.raises(ValueError, match="arriving ranks"):
+        plan_recovery(view(TOPO_3D), TOPO_3D, {0}, holdings(TOPO_3D, {0}), arriving={0})

@@ -239,14 +239,32 @@ def test_a_spare_whose_takeover_failed_reports_its_own_error_before_it_leaves(kv
     with pytest.raises(RecoveryFailed, match="taking over rank 1 failed: a bug in the set-up"):
         recovery.take_over(1, make_trainer=None)
     assert told == [("ValueError", 1, 8)]
-    # superseded by a newer order (a failure elsewhere): it leaves, nothing reported
+
+
+def test_a_seated_spare_cut_short_by_a_newer_order_stays_for_the_next_plan(kv):
+    # Its takeover into generation 1 was aborted (a failure elsewhere, a newer order): it
+    # holds rank 1 in the committed membership, so it reports that it holds nothing yet
+    # (arriving) and takes part in generation 2, receiving rank 1's state again.
+    time_ = FakeTime()
     recovery, ctx = make(kv, time_, cls=Scripted)
-    recovery.report_recovery = lambda *args: told.append(args)
-    Scripted.outcomes = {2: AbortedByRecovery("communication aborted: a recovery was ordered")}
-    kv.set(keys.recovery_plan(JOB, 2), PlanDecision(replacing(plan(2), 1), 8).encode())
-    with pytest.raises(RecoveryFailed, match="communication aborted"):
-        recovery.take_over(2, make_trainer=None)
-    assert len(told) == 1
+    Scripted.outcomes = {1: AbortedByRecovery("communication aborted: a recovery was ordered"),
+                         2: object()}  # fmt: skip
+    kv.set(keys.recovery_plan(JOB, 1), PlanDecision(replacing(plan(1), 1), 8).encode())
+    again = dataclasses.replace(replacing(plan(2), 1), arriving=(1,))
+    kv.set(keys.recovery_plan(JOB, 2), PlanDecision(again, 8).encode())
+    time_.at.append((0.5, lambda: ctx.see_order(2)))
+    trainer = recovery.take_over(1, make_trainer=None)
+    assert ctx.generation == 2 and trainer is None  # what Scripted's rebuild hands back
+    report = HoldingsReport.decode(kv.get(keys.holdings(JOB, 2, 1)))
+    assert report.arriving and not report.trained and not report.holdings.snapshots
+    # a plan that does not seat it again (it was counted lost meanwhile): it leaves
+    recovery, ctx = make(kv, time_, cls=Scripted)
+    Scripted.outcomes = {3: AbortedByRecovery("communication aborted: a recovery was ordered")}
+    kv.set(keys.recovery_plan(JOB, 3), PlanDecision(replacing(plan(3), 1), 8).encode())
+    kv.set(keys.recovery_plan(JOB, 4), PlanDecision(replacing(plan(4), 1), 8).encode())
+    time_.at.append((time_.t + 0.5, lambda: ctx.see_order(4)))
+    with pytest.raises(RecoveryFailed, match="does not seat rank 1 here again"):
+        recovery.take_over(3, make_trainer=None)
 
 
 def replacing(p, rank):
