@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from ..errors import BAD_INPUT_EXIT
-from ..failure.classify import Classification, Decision
+from ..failure.classify import Classification, Decision, in_recovery
 from ..failure.evidence import ProcessExited, describe_exit
 
 
@@ -41,7 +41,7 @@ def respond(
     in memory restarts from the persistent checkpoint (--deadpool-on-unrecoverable)."""
     alive = not isinstance(c.evidence, ProcessExited)
     permanent = c.kind is Decision.PERMANENT
-    if c.kind is Decision.REPEATED and falls_back and in_recovery(c):
+    if c.kind is Decision.REPEATED and falls_back and in_recovery(c.cause):
         # the recovery itself fails the same way: a restart from the checkpoint runs none
         return Response(Action.RESTART, fence=False, replace=False)
     if refused_its_input(c) or c.kind is Decision.REPEATED:  # a spare or a restart would
@@ -70,7 +70,7 @@ def why_it_ends(c: Classification, pid: int) -> tuple[str, str, int]:
                 "the job ends", f"rank {rank} refused its input", BAD_INPUT_EXIT)  # fmt: skip
     if c.kind is Decision.REPEATED:
         again = "a spare or a restart would meet it again"
-        if in_recovery(c):
+        if in_recovery(c.cause):
             again = ("a spare would meet it again; a restart from the checkpoint would not "
                      "(--deadpool-on-unrecoverable checkpoint-restart)")  # fmt: skip
         return (f"{c.reason}; ending the job (the traceback is in rank {rank}'s log): {again}",
@@ -88,9 +88,3 @@ def refused_its_input(c: Classification) -> bool:
     """The rank exited with the status of a process that refuses its input (a checkpoint
     under --load that is missing, flags found wrong after start), not of a failure."""
     return isinstance(c.evidence, ProcessExited) and c.evidence.returncode == BAD_INPUT_EXIT
-
-
-def in_recovery(c: Classification) -> bool:
-    """The failure is an error of a recovery (its place is phase recovery), not of training."""
-    where = getattr(c.cause, "where", None)
-    return where is not None and where[1] == "recovery"

@@ -310,6 +310,12 @@ def classify(
     return Classification(rank, Decision.TRANSIENT, reason, won)
 
 
+def in_recovery(e: Evidence) -> bool:
+    """`e` is an error of a recovery (its place is phase recovery), not of training."""
+    where = getattr(e, "where", None)
+    return where is not None and where[1] == "recovery"
+
+
 def _error_before_exit(evidence: Sequence[Evidence], won: Evidence) -> Evidence | None:
     """The own error (one with a place) the exited rank of `won` reported before it exited."""
     if not isinstance(won, ProcessExited):
@@ -331,6 +337,6 @@ def _repeated(
 ) -> Classification:
     """The same own error at the same place, met again where a spare took the rank over."""
     cause = error or won
-    what = "recovery" if cause.where[1] == "recovery" else "training"
+    what = "recovery" if in_recovery(cause) else "training"
     return Classification(rank, Decision.REPEATED, f"{_again(reason, cause, repeats)}: a "
                           f"deterministic error in the {what}, not a fault", won, error)  # fmt: skip

@@ -244,13 +244,20 @@ class ProcessRecovery:
 
     def takeover_again(self, generation: int, err: BaseException) -> RecoveryPlan:
         """A claimed spare's takeover into `generation` failed after its plan seated it. Its
-        own failure ends it (takeover_failed). Otherwise a failure elsewhere cut it short (a
-        newer order, a peer lost): it holds the rank in the committed membership and stays,
-        holding nothing, for the next plan, which sends it the rank's state again. Before,
-        it left, and the next recovery took another spare for its rank: with none left, the
-        job could not go on. Returns that plan; raises RecoveryFailed."""
+        own failure ends it: it holds nothing to stay for and leaves (the agent seats the
+        next spare), its error reported first, which the agent weighs with the exit so that
+        the same error met by the rank's every holder ends the job. Otherwise a failure
+        elsewhere cut it short (a newer order, a peer lost): it holds the rank in the
+        committed membership and stays, holding nothing, for the next plan, which sends it
+        the rank's state again. Before, it left, and the next recovery took another spare
+        for its rank: with none left, the job could not go on. Returns that plan; raises
+        RecoveryFailed."""
         if failed_here(err):
-            raise self.takeover_failed(generation, err) from err
+            self._report_failure(err, generation)
+            log.warning("taking over rank %d in generation %d failed: %s: %s", self.env.rank,
+                        generation, type(err).__name__, err,
+                        exc_info=err if caused_here(err) else None)  # fmt: skip
+            raise RecoveryFailed(f"taking over rank {self.env.rank} failed: {err}") from err
         log.warning("taking over rank %d in generation %d was cut short: %s: %s; seated, it "
                     "waits for the next plan", self.env.rank, generation, type(err).__name__,
                     err)  # fmt: skip
@@ -268,17 +275,6 @@ class ProcessRecovery:
                 raise RecoveryFailed(f"the plan of generation {generation} does not seat rank "
                                      f"{self.env.rank} here again: {plan.arriving}")  # fmt: skip
             return plan
-
-    def takeover_failed(self, generation: int, err: BaseException) -> RecoveryFailed:
-        """A claimed spare's takeover failed: it holds nothing to stay for and leaves (the
-        agent seats the next spare). Its own error is reported first: the agent weighs it
-        with the exit, so that the same error met by the rank's every holder ends the job."""
-        own = caused_here(err)
-        if failed_here(err):
-            self._report_failure(err, generation)
-        log.warning("taking over rank %d in generation %d failed: %s: %s", self.env.rank,
-                    generation, type(err).__name__, err, exc_info=err if own else None)  # fmt: skip
-        return RecoveryFailed(f"taking over rank {self.env.rank} failed: {err}")
 
     def _report_failure(self, err: BaseException, generation: int) -> None:
         """This process's failure in the recovery into `generation` (own_failure.failed_here):
