@@ -7,10 +7,10 @@ Patched Megatron-LM (`patches/`) calls exactly these, at these points:
   that runs it protected, through failures (a spare process waits inside it until it is
   claimed), with the --deadpool* flags added to Megatron-LM's parser through its
   extra-arguments hook (`extra_args_provider`, wrapping the script's own);
-- `run_main(main, store)`: the same for core_v0.19, whose script parses its command line and
-  builds its configs before pretrain(): `main(store)` does both and calls pretrain(), and
-  runs once, or once in each generation of a protected process (its parser given
-  `extra_args_provider(...)` by the patch);
+- `run_main(main, store)`: the same for core_v0.18 and later, whose script parses its
+  command line and builds its configs before pretrain(): `main(store)` does both and calls
+  pretrain(), and runs once, or once in each generation of a protected process (its parser
+  given `extra_args_provider(...)` by the patch);
 - `after_setup(model, optimizer, opt_param_scheduler)`: in pretrain(), right after
   setup_model_and_optimizer: protection starts, or a hot-swap restores the state here;
 - `before_loop(iteration, evaluate)`: in train(), before its loop: `evaluate` runs the
@@ -88,8 +88,8 @@ def wrap_pretrain(pretrain: Callable) -> Callable:
 
 
 def run_main(main: Callable[[object], object], store: object = None) -> None:
-    """Megatron-LM core_v0.19's `pretrain_gpt.py`: `main(store)` parses the command line, builds
-    the configs and runs pretrain() (which no longer parses). Without DeadPool it runs once;
+    """The `pretrain_gpt.py` of Megatron-LM core_v0.18 and later: `main(store)` parses the
+    command line, builds the configs and runs pretrain() (which no longer parses). Without DeadPool it runs once;
     with it, once in each generation of this process (a hot-swap runs pretrain() again, and
     Megatron-LM's globals, the parsed arguments among them, are gone by then), and a spare
     runs it only once claimed, as the rank it replaces."""

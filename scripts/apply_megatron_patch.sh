@@ -105,7 +105,7 @@ if [ -n "$missing" ]; then
     echo "note: Megatron-LM's pretrain_gpt.py imports modules this Python lacks: $missing" >&2
     echo "      (pip install them; deadpool_megatron: pip install -e $here)" >&2
 fi
-if grep -qs "from typing import .*override" megatron/training/models/gpt.py \
+if grep -qs "^from typing import .*override" megatron/training/models/*.py \
         && ! "$python" -c "from typing import override" 2>/dev/null; then
     echo "note: Megatron-LM $tag imports typing.override, which needs Python 3.12 or newer;" \
          "this is $("$python" -c 'import platform; print(platform.python_version())')" \

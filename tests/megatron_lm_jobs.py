@@ -30,7 +30,14 @@ from bench_megatron_lm import python_first  # noqa: E402
 
 TAGS = sorted(p.name.removeprefix("megatron-lm-") for p in (ROOT / "patches").glob("megatron-lm-*"))
 TAG = os.environ.get("MEGATRON_LM_TAG", "core_v0.16.1")
-# core_v0.19's megatron.training imports typing.override (Python 3.12): on 3.11 the tests put
+
+
+def release(tag: str = TAG) -> tuple[int, ...]:
+    """A release tag as numbers to compare: core_v0.18.2 -> (0, 18, 2)."""
+    return tuple(int(n) for n in tag.removeprefix("core_v").split("."))
+
+
+# core_v0.18/0.19 megatron.training imports typing.override (Python 3.12): on 3.11 the tests put
 # typing_extensions' backport in its place (tests/py311/sitecustomize.py)
 BACKPORTS = ROOT / "tests" / "py311"
 # A small GPT on Megatron-LM's mock data, every CUDA-only fusion off, 4 ranks as PP2 x DP2;
@@ -84,12 +91,10 @@ def patched_checkout(tmp_path_factory, tag: str = TAG) -> Path:
 def job_env(checkout: Path) -> dict[str, str]:
     """What a process of `checkout`'s Megatron-LM needs in its environment: this interpreter
     first on PATH (python_first), and on PYTHONPATH the project and the backports its
-    Megatron-LM needs of this Python (core_v0.19's typing.override on 3.11)."""
-    gpt = checkout / "megatron" / "training" / "models" / "gpt.py"
-    needs = (
-        sys.version_info < (3, 12)
-        and gpt.exists()
-        and bool(re.search(r"^from typing import .*\boverride\b", gpt.read_text(), re.M))
+    Megatron-LM needs of this Python (core_v0.18's and core_v0.19's typing.override on 3.11)."""
+    models = (checkout / "megatron" / "training" / "models").glob("*.py")
+    needs = sys.version_info < (3, 12) and any(
+        re.search(r"^from typing import .*\boverride\b", m.read_text(), re.M) for m in models
     )
     return {"PYTHONPATH": os.pathsep.join([str(BACKPORTS)] * needs + [str(ROOT)]),
             "PATH": python_first(checkout.parent)}  # fmt: skip

@@ -384,7 +384,7 @@ def checkpoint_loaded() -> tuple[int, float] | None:
 
 def batch_size_by_step_schedule() -> bool:
     """Whether this Megatron-LM sizes its global batch by --step-batch-size-schedule and
-    ignores --rampup-batch-size (core_v0.19: its calculator takes the schedule only)."""
+    ignores --rampup-batch-size (core_v0.18 and later: its calculator takes the schedule only)."""
     from megatron.core import num_microbatches_calculator as calculators
 
     own = inspect.signature(calculators.init_num_microbatches_calculator).parameters

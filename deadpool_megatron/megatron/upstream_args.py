@@ -108,29 +108,102 @@ def _ramp(ns: argparse.Namespace, dp: int) -> Ramp:
     return Ramp(start, increment, samples, final)
 
 
-def _schedules_refused(ns: argparse.Namespace) -> None:
-    """core_v0.19 sizes the global batch by --step-batch-size-schedule; it accepts
-    --rampup-batch-size but only warns that it is deprecated and trains without a ramp."""
+@dataclass(frozen=True)
+class StepSchedule:
+    """--step-batch-size-schedule "THRESHOLD:BATCH ...": the global batch is BATCH from
+    THRESHOLD on (Megatron-LM core_v0.18 and later), as (samples, batch) pairs, ascending."""
+
+    steps: tuple[tuple[int, int], ...]
+
+    def batch(self, consumed: int) -> int:
+        """The global batch after `consumed` samples, as megatron-core's
+        StepBatchsizeNumMicroBatchesCalculator gives it: the last step reached."""
+        return [b for threshold, b in self.steps if consumed >= threshold][-1]
+
+
+def _count(text: str) -> int:
+    """A schedule's number as megatron-core reads it: K, M, B or T (1e3 ... 1e12) may follow."""
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+    text = text.strip().upper()
+    return int(float(text[:-1] if text[-1:] in scale else text) * scale.get(text[-1:], 1))
+
+
+def _step_schedule(ns: argparse.Namespace, argv: list[str], dp: int) -> StepSchedule:
+    """The schedule --step-batch-size-schedule asks for, checked before any process starts
+    as megatron-core checks it when Megatron-LM sets up (an assertion there), with the
+    flags Megatron-LM refuses beside it. Its thresholds are tokens: samples of
+    --seq-length tokens, rounded down, as Megatron-LM passes its --seq-length."""
+    shown = ns.step_batch_size_schedule
     if ns.rampup_batch_size is not None:
         raise ConfigError(
-            f"--rampup-batch-size {' '.join(ns.rampup_batch_size)}: this Megatron-LM "
-            "(core_v0.19) ignores it and trains every iteration at --global-batch-size; its "
-            "ramp is --step-batch-size-schedule, which --deadpool does not support yet"
+            f"--rampup-batch-size {' '.join(ns.rampup_batch_size)} with --step-batch-size-"
+            f"schedule {shown!r}: this Megatron-LM ignores the first; give the schedule only"
         )
-    if ns.step_batch_size_schedule is not None:
+    if _given(argv, "--global-batch-size"):
         raise ConfigError(
-            f"--step-batch-size-schedule {ns.step_batch_size_schedule!r} is not supported with "
-            "--deadpool yet (a hot-swap would not carry where the schedule stood); use a "
-            "constant --global-batch-size"
+            f"--step-batch-size-schedule {shown!r} with --global-batch-size "
+            f"{ns.global_batch_size}: Megatron-LM refuses both; the schedule's last batch is "
+            "the global batch"
         )
+    if ns.decrease_batch_size_if_needed:
+        raise ConfigError(
+            f"--step-batch-size-schedule {shown!r} with --decrease-batch-size-if-needed: "
+            "megatron-core's step schedules refuse it"
+        )
+    steps = []
+    for entry in shown.replace(",", " ").split():
+        threshold, _, batch = entry.partition(":")
+        try:
+            steps.append((_count(threshold), _count(batch)))
+        except ValueError:
+            raise ConfigError(
+                f"--step-batch-size-schedule {shown!r}: entry {entry!r} is not THRESHOLD:BATCH "
+                "(numbers, K/M/B/T allowed: '0:256 250B:512')"
+            ) from None
+    read = "samples"
+    if ns.seq_length is not None:
+        steps = [(threshold // ns.seq_length, batch) for threshold, batch in steps]
+        read = f"samples of --seq-length {ns.seq_length} tokens"
+    steps.sort()
+    thresholds = [threshold for threshold, _ in steps]
+    if not steps or thresholds[0] != 0:
+        raise ConfigError(
+            f"--step-batch-size-schedule {shown!r}: the first threshold must be 0 (in {read}; "
+            f"got {thresholds[:1] or 'no entry'})"
+        )
+    if len(set(thresholds)) < len(thresholds):
+        raise ConfigError(
+            f"--step-batch-size-schedule {shown!r}: two thresholds fall on the same sample "
+            f"({thresholds}, in {read})"
+        )
+    unit = ns.micro_batch_size * dp
+    # A job from a checkpoint (--load) may be past the schedule's first steps, which
+    # Megatron-LM then never trains: it checks the batch it is at only.
+    checked = steps[-1:] if ns.load else steps
+    wrong = [batch for _, batch in checked if batch <= 0 or batch % unit]
+    if wrong:
+        raise ConfigError(
+            f"--step-batch-size-schedule {shown!r}: every batch must be a positive multiple "
+            f"of --micro-batch-size {ns.micro_batch_size} x data-parallel size {dp} = {unit} "
+            f"(not {wrong})"
+        )
+    batches = [batch for _, batch in steps]
+    if batches != sorted(batches):
+        raise ConfigError(
+            f"--step-batch-size-schedule {shown!r}: a batch smaller than the one before "
+            f"({batches}); Megatron-LM's loop stops where its micro-batches would decrease"
+        )
+    return StepSchedule(tuple(steps))
 
 
 def _train_iters(
-    iters: int | None, samples: int | None, global_batch: int, ramp: Ramp | None = None
-) -> int:
+    iters: int | None, samples: int | None, global_batch: int, ramp: Ramp | None = None,
+    schedule: StepSchedule | None = None,
+) -> int:  # fmt: skip
     """The iterations a run trains: --train-iters, or for a sample-based run as Megatron-LM's
     update_train_iters counts them: whole global batches, through the ramp first if any
-    (its last partial batch thrown away)."""
+    (its last partial batch thrown away); by a step schedule, until the samples are
+    reached (its last batch may pass them)."""
     if (iters is None) == (samples is None):
         given = "both" if iters is not None else "neither"
         raise ConfigError(
@@ -138,6 +211,12 @@ def _train_iters(
         )
     if samples is None:
         return iters
+    if schedule is not None:
+        iterations = consumed = 0
+        while consumed < samples:
+            consumed += schedule.batch(consumed)
+            iterations += 1
+        return iterations
     first = global_batch if ramp is None else ramp.start
     if samples < first:
         raise ConfigError(
@@ -158,7 +237,8 @@ def _train_iters(
 def parse_job_config(argv: list[str], world_size: int, step_schedule: bool = False) -> JobConfig:
     """DeadPool's view of a Megatron-LM command line; raises ConfigError naming a bad value.
     Megatron-LM parses and checks the rest itself. `step_schedule`: this Megatron-LM's batch
-    size follows --step-batch-size-schedule and ignores --rampup-batch-size (core_v0.19)."""
+    size follows --step-batch-size-schedule and ignores --rampup-batch-size (core_v0.18 and
+    later)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for flag, kind, default in _SHARED_FLAGS:
         if kind is None:
@@ -170,6 +250,7 @@ def parse_job_config(argv: list[str], world_size: int, step_schedule: bool = Fal
     parser.add_argument("--rampup-batch-size", nargs="*", default=None)  # neither
     parser.add_argument("--decrease-batch-size-if-needed", action="store_true")  # neither
     parser.add_argument("--step-batch-size-schedule", default=None)  # neither
+    parser.add_argument("--seq-length", type=int, default=None)  # neither
     add_arguments(parser)
     ns, _ = parser.parse_known_args(argv)
     if _given(argv, "--inprocess-restart"):
@@ -190,14 +271,23 @@ def parse_job_config(argv: list[str], world_size: int, step_schedule: bool = Fal
     )
     if ns.micro_batch_size is None:
         raise ConfigError("--deadpool with Megatron-LM needs --micro-batch-size")
+    schedule = ramp = None
+    if step_schedule and ns.deadpool:
+        if ns.rampup_batch_size is not None and ns.step_batch_size_schedule is None:
+            raise ConfigError(
+                f"--rampup-batch-size {' '.join(ns.rampup_batch_size)}: this Megatron-LM "
+                "(core_v0.18 and later) ignores it and trains every iteration at "
+                "--global-batch-size; its ramp is --step-batch-size-schedule"
+            )
+        if ns.step_batch_size_schedule is not None:
+            schedule = _step_schedule(ns, argv, dp)
+            ns.global_batch_size = schedule.steps[-1][1]  # what its calculator reports
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp
-    if step_schedule and ns.deadpool:
-        _schedules_refused(ns)
-    ramp = None
     if ns.rampup_batch_size is not None:
         ramp = _ramp(ns, dp)
-    ns.train_iters = _train_iters(ns.train_iters, ns.train_samples, ns.global_batch_size, ramp)
+    ns.train_iters = _train_iters(ns.train_iters, ns.train_samples, ns.global_batch_size, ramp,
+                                  schedule)  # fmt: skip
     cfg = build_job_config(ns)
     validate_deadpool(cfg, dp, eval_interval=ns.eval_interval or 0)
     return cfg

@@ -75,7 +75,7 @@ def _batches(args) -> Batches:
 def _steady_from(calculator) -> int | None:
     """The samples consumed past which the calculator's batch no longer changes: -1 for a
     constant batch, the ramp's samples for core_v0.16.1's --rampup-batch-size, the last
-    threshold's for core_v0.19's --step-batch-size-schedule; None where not known."""
+    threshold's for --step-batch-size-schedule (core_v0.18 and later); None where not known."""
     if type(calculator).__name__ == "ConstantNumMicroBatchesCalculator":
         return -1
     if hasattr(calculator, "ramup_samples"):  # sic, megatron-core's spelling
@@ -129,7 +129,7 @@ def set_counts(counts: Counts, resumed: bool) -> None:
 
 
 def batch_changes_after(args, batches: Batches) -> bool:
-    """Whether train() meets a new global batch (a --rampup-batch-size step) at the top of
+    """Whether train() meets a new global batch (a ramp's or a schedule's step) at the top of
     its next iteration, where it saves with --save: the batch for the samples consumed
     after this iteration is not the one this iteration trained (asked during its step,
     before the loop counts its samples)."""

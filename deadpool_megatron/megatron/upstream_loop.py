@@ -28,10 +28,11 @@ from typing import NamedTuple
 class Batches:
     """The global batch of each iteration, as Megatron-LM's batch-size calculator gives it
     for the training samples consumed before the iteration (constant, or ramped up by
-    --rampup-batch-size): `at(consumed)` is (the batch trained, the batch asked for), which
-    differ by what --decrease-batch-size-if-needed leaves out; `steady_from`: the samples
-    consumed past which the batch no longer changes (None: it may change anywhere);
-    `flops(batch)`: one iteration's floating-point operations for a batch trained."""
+    --rampup-batch-size or --step-batch-size-schedule): `at(consumed)` is (the batch
+    trained, the batch asked for), which differ by what --decrease-batch-size-if-needed
+    leaves out; `steady_from`: the samples consumed past which the batch no longer changes
+    (None: it may change anywhere); `flops(batch)`: one iteration's floating-point
+    operations for a batch trained."""
 
     at: Callable[[int], tuple[int, int]]
     steady_from: int | None
@@ -176,7 +177,7 @@ def slow_work_after(args, iteration: int, batch_changes: bool = False) -> str | 
     phase to mark, so a healthy evaluation or save is never taken for a hang): it evaluates
     at every --eval-interval and saves at every --save-interval (checkpoint_and_decide_exit),
     and with --save where the next iteration's global batch is a new one (`batch_changes`:
-    a --rampup-batch-size step, saved at the top of that iteration)."""
+    a ramp's or a schedule's step, saved at the top of that iteration)."""
     if args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid:
         return "evaluate"
     if args.save and args.save_interval and iteration % args.save_interval == 0:

@@ -7,7 +7,9 @@ Megatron-LM checkout).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import random
 import re
 import shlex
 import signal
@@ -17,10 +19,12 @@ import time
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, TAG, job_env, launch, printed_lines, run
+from megatron_lm_jobs import DP4, MODEL, TAG, job_env, launch, printed_lines, release, run
 from slurm_cluster import start_cluster
 from slurm_jobs import join_logs, lose_node, node_logs, submit, submit_join, wait_for_iteration
 
+from deadpool_megatron.errors import ConfigError
+from deadpool_megatron.megatron.upstream_args import parse_job_config
 from deadpool_megatron.metrics import read_metrics
 from jobs import JOB_TIMEOUT_S
 
@@ -131,6 +135,11 @@ def test_upstream_hot_swap_skips_the_load_and_saves_what_the_failure_free_run_sa
 RAMPED = [a for a in MODEL if a not in ("--train-iters", "12", "--global-batch-size", "8")] + (
     shlex.split("--global-batch-size 12 --train-samples 100 --rampup-batch-size 4 4 24")
 )
+# The same batches by core_v0.18's and later's --step-batch-size-schedule, whose thresholds
+# are tokens (samples of --seq-length 64 tokens): 4 from sample 0, 8 from 12, 12 from 24.
+SCHEDULED = [a for a in MODEL if a not in ("--train-iters", "12", "--global-batch-size", "8")] + (
+    ["--train-samples", "100", "--step-batch-size-schedule", "0:4 768:8 1.536K:12"]
+)
 
 
 def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without_them(
@@ -144,20 +153,22 @@ def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without
     # had it, so the resumed loop meets the step and saves 3 as that loop did: every loss,
     # every printed line (consumed samples, global batch size), the checkpoints' counts and
     # the digest are the failure-free run's.
-    if TAG == "core_v0.19.0":
-        # core_v0.19 accepts --rampup-batch-size, warns it is deprecated and trains without
-        # a ramp (its ramp is --step-batch-size-schedule): refused, before any process starts
+    model = RAMPED
+    if release() >= (0, 18):
+        # core_v0.18 and later accept --rampup-batch-size, warn that it is deprecated and
+        # train without a ramp: refused before any process starts. Their ramp is the step
+        # schedule, which the same job follows with the same batches.
         returncode, output = launch(megatron_lm, tmp_path, "ramp", [], model=RAMPED)
         assert returncode != 0 and "ignores it and trains every iteration" in output, output
-        return
+        model = SCHEDULED
     saved = ["--save-interval", "1000"]  # saves at the ramp's steps and the end only
     free_dir, swap_dir = tmp_path / "free_ckpt", tmp_path / "swap_ckpt"
     losses, final, free_output = run(megatron_lm, tmp_path, "ramp_free",
-                                     [*saved, "--save", str(free_dir)], model=RAMPED)  # fmt: skip
+                                     [*saved, "--save", str(free_dir)], model=model)  # fmt: skip
     got, got_final, output = run(
         megatron_lm, tmp_path, "ramp_swap",
         [*saved, "--save", str(swap_dir), "--deadpool-inject", "kill@1:3:save,kill@2:7"],
-        model=RAMPED, spares=2,
+        model=model, spares=2,
     )  # fmt: skip
     assert sorted(losses) == list(range(1, 12))
     assert "spare 0 claimed: takes over rank 1 in generation 1" in output
@@ -177,6 +188,56 @@ def test_upstream_hot_swaps_in_a_batch_size_ramp_train_save_and_print_as_without
     assert counted == _saved_counts(megatron_lm, free_dir, (3, 5, 11))
     for iteration, counts in counted.items():
         assert counts[1] == consumed[iteration - 1]
+
+
+def test_step_schedules_are_read_as_the_release_s_own_calculator_reads_them(megatron_lm):
+    # What DeadPool checks and counts before any process starts, against megatron-core's own
+    # calculator in the checkout (its file imports nothing of Megatron): for random schedules
+    # of a sample-based run, where the calculator refuses one we do too, and where it takes
+    # one we train as many iterations, at the same last batch, as Megatron-LM's
+    # update_train_iters walks it; we refuse more only where its loop stops later (a batch
+    # not a multiple of micro-batch x data-parallel size, or smaller than the one before).
+    if release() < (0, 18):
+        pytest.skip(f"{TAG} has no --step-batch-size-schedule")
+    path = megatron_lm / "megatron" / "core" / "num_microbatches_calculator.py"
+    spec = importlib.util.spec_from_file_location("their_calculators", path)
+    theirs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(theirs)
+    rng = random.Random(18)
+    taken = refused = 0
+    for _ in range(300):
+        tokens = [0] * (rng.random() > 0.1) + rng.sample(range(1, 400_000), rng.randint(0, 3))
+        entries = [f"{t / 1000:g}K" if rng.random() < 0.3 else str(t) for t in tokens]
+        batches = [rng.choice([8, 16, 24, 32, 48, 12]) for _ in entries]
+        schedule = " ".join(f"{t}:{b}" for t, b in zip(entries, batches))
+        samples = rng.randint(1, 12_000)
+        argv = ["--micro-batch-size", "2", "--train-samples", str(samples), "--seq-length", "64",
+                "--use-distributed-optimizer", "--deadpool",
+                "--step-batch-size-schedule", schedule]  # fmt: skip
+        try:
+            calculator = theirs.StepBatchsizeNumMicroBatchesCalculator(2, 4, False, 0, schedule, 64)
+        except (AssertionError, ValueError):
+            calculator = None
+        try:
+            ours = parse_job_config(argv, 4, step_schedule=True).training
+        except ConfigError as err:
+            ours, why = None, str(err)
+        if calculator is None:
+            assert ours is None, schedule
+            refused += 1
+            continue
+        if ours is None:
+            assert "positive multiple of" in why or "smaller than the one before" in why, why
+            continue
+        iterations = consumed = 0
+        while consumed < samples:  # update_train_iters, for a step schedule
+            calculator.update(consumed, consistency_check=False)
+            consumed += calculator.get_current_global_batch_size()
+            iterations += 1
+        assert (ours.train_iters, ours.global_batch_size) == (
+            iterations, calculator.schedule[-1][1]), schedule  # fmt: skip
+        taken += 1
+    assert taken > 50 and refused > 20, (taken, refused)
 
 
 def test_upstream_evaluation_cut_short_by_a_failure_runs_again_from_its_first_sample(

@@ -33,6 +33,8 @@ def _apply(checkout: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(("minor", "patch", "series"), [(16, 1, "core_v0.16.1"),
+                                                         (17, 1, "core_v0.17.1"),
+                                                         (18, 2, "core_v0.18.2"),
                                                          (19, 1, "core_v0.19.0")])  # fmt: skip
 def test_the_series_is_the_one_of_the_checkouts_release(tmp_path, minor, patch, series):
     # core_v0.19.0's package says 0.19.1: its series names that in package_version
@@ -48,5 +50,6 @@ def test_a_release_without_a_series_is_refused_naming_those_with_one(tmp_path):
     done = _apply(_checkout(tmp_path, 18, 0))
     assert done.returncode == 1
     assert (
-        "is Megatron-LM core_v0.18.0; patches exist for: core_v0.16.1 core_v0.19.0" in done.stderr
+        "is Megatron-LM core_v0.18.0; patches exist for: core_v0.16.1 core_v0.17.1 core_v0.18.2 "
+        "core_v0.19.0" in done.stderr
     )

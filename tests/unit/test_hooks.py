@@ -335,16 +335,52 @@ def test_the_patch_series_adds_only_calls_into_deadpool():
             )
 
 
-def test_core_v019_batch_size_schedules_are_refused_before_any_work():
-    # core_v0.19 ignores --rampup-batch-size (deprecated, no ramp); its step schedule is
-    # not carried across a hot-swap yet
+def test_a_step_schedule_is_read_as_megatron_core_reads_it_and_refused_where_it_refuses():
+    # core_v0.18 and later: the ramp is --step-batch-size-schedule, thresholds in tokens
+    # (samples of --seq-length tokens), K/M/B/T allowed; --rampup-batch-size is ignored there
     ramp = [*SAMPLES, "--rampup-batch-size", "8", "8", "100"]
     assert parse_job_config(ramp, 4).training.train_iters > 0  # core_v0.16.1 ramps
     with pytest.raises(ConfigError, match="ignores it and trains every iteration"):
         parse_job_config(ramp, 4, step_schedule=True)
-    with pytest.raises(ConfigError, match="--step-batch-size-schedule '0:8 100:32'"):
-        parse_job_config([*SAMPLES, "--step-batch-size-schedule", "0:8 100:32"], 4, True)
     assert parse_job_config(SAMPLES, 4, step_schedule=True).training.train_iters == 12
+    base = [a for a in SAMPLES if a not in ("--global-batch-size", "32")]
+
+    def parsed(schedule: str, *more: str, step_schedule: bool = True):
+        argv = [*base, "--seq-length", "64", "--step-batch-size-schedule", schedule, *more]
+        return parse_job_config(argv, 4, step_schedule).training
+
+    # 8 samples a batch from 0, 16 from 1600 / 64 = 25 samples, 32 from 64K / 64 = 1000:
+    # 8 x 4 (32 samples), 16 x 61 (1008), then 32 x 13 (1424 >= 1400), the last passing
+    got = parsed("0:8 1.6K:16 64K:32", "--train-samples", "1400")
+    assert (got.train_iters, got.global_batch_size) == (4 + 61 + 13, 32)
+    # commas as spaces, any order (sorted), iteration-based runs as given
+    got = parsed("64K:32,0:8, 1600:16", "--train-samples", "1400")
+    assert got.train_iters == 78
+    argv = [*base[:2], *base[4:], "--seq-length", "64", "--train-iters", "7",
+            "--step-batch-size-schedule", "0:8 1600:16"]  # fmt: skip
+    assert parse_job_config(argv, 4, True).training.train_iters == 7
+    refused = {
+        "0:8 16:16x": "entry '16:16x' is not THRESHOLD:BATCH",
+        "8": "entry '8' is not THRESHOLD:BATCH",
+        "64:8 1600:16": "the first threshold must be 0",  # 64 tokens: sample 1
+        "": "the first threshold must be 0",
+        "0:8 10:16 20:32": "two thresholds fall on the same sample",  # 10 // 64 == 0
+        "0:8 1600:12": r"every batch must be a positive multiple of --micro-batch-size 2 x "
+                       r"data-parallel size 4 = 8 \(not \[12\]\)",
+        "0:-8 1600:16": r"every batch .* \(not \[-8\]\)",
+        "0:16 1600:8": r"a batch smaller than the one before \(\[16, 8\]\)",
+    }  # fmt: skip
+    for schedule, why in refused.items():
+        with pytest.raises(ConfigError, match=f"--step-batch-size-schedule '{schedule}': {why}"):
+            parsed(schedule)
+    with pytest.raises(ConfigError, match="with --global-batch-size 32: Megatron-LM refuses"):
+        parsed("0:8", "--global-batch-size", "32")
+    with pytest.raises(ConfigError, match="megatron-core's step schedules refuse it"):
+        parsed("0:8", "--decrease-batch-size-if-needed")
+    with pytest.raises(ConfigError, match="with --step-batch-size-schedule '0:8'"):
+        parsed("0:8", "--rampup-batch-size", "8", "8", "100")
+    # from a checkpoint, batches the job may be past are Megatron-LM's to check
+    assert parsed("0:12 1600:16", "--load", "ckpt").global_batch_size == 16
 
 
 def test_fully_sharded_data_parallel_is_left_alone_without_deadpool():
