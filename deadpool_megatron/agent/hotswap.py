@@ -173,14 +173,15 @@ class HotSwap:
                         rec.generation, err)  # fmt: skip
             return Stop(False, str(err), finished=True)
         except Unrecoverable as err:
-            lost = sorted(rec.permanent) or ["?"]
+            # what failed, beside why it cannot be recovered (no spare left says nothing of it)
+            lost = f"rank(s) {sorted(rec.permanent) or ['?']} ({reason})"
             if self.on_unrecoverable == "checkpoint-restart":
-                log.error("cannot hot-swap the failure of rank(s) %s: %s; falling back to the "
+                log.error("cannot hot-swap the failure of %s: %s; falling back to the "
                           "persistent checkpoint", lost, err)  # fmt: skip
-                return Stop(True, f"unrecoverable in memory: {err}")
-            log.error("cannot recover from the failure of rank(s) %s: %s; ending the job",
+                return Stop(True, f"unrecoverable in memory: {err}; the failure: {reason}")
+            log.error("cannot recover from the failure of %s: %s; ending the job",
                       lost, err)  # fmt: skip
-            return Stop(False, f"unrecoverable: {err}")
+            return Stop(False, f"unrecoverable: {err}; the failure: {reason}")
         self.adopt(plan)
         return None
 

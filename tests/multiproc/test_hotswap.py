@@ -346,6 +346,9 @@ def test_adjacent_ring_ranks_lost_together_with_one_replica_is_unrecoverable(tmp
     assert named(events, "recovery_done") == []
     (ended,) = named(events, "job_ended")
     assert ended["status"] == 1 and ended["reason"].startswith("unrecoverable")
+    # what failed, beside why it cannot be recovered (whichever death was seen first)
+    assert re.search(r"; the failure: ProcessExited: rank [12] was killed by signal SIGKILL$",
+                     ended["reason"]), ended["reason"]  # fmt: skip
 
 
 def test_adjacent_ring_ranks_lost_together_with_two_replicas_recover(tmp_path, baseline_dp4):
