@@ -2,6 +2,10 @@
 
 Patched Megatron-LM (`patches/`) calls exactly these, at these points:
 
+- `show_help(provider)`: in the script's `__main__`, before its first parse (in-process
+  restart's, which prints Megatron-LM's help without DeadPool's flags and exits); with
+  --help and a --deadpool* flag, prints that help with them (`provider`: the script's own
+  extra-arguments provider) and exits, else returns at once;
 - `wrap_pretrain(pretrain)`: in the script's `__main__`; returns `pretrain` itself unless the
   command line has --deadpool* flags or deadpool-launch started the process, else a wrapper
   that runs it protected, through failures (a spare process waits inside it until it is
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -44,6 +49,35 @@ def _session():
     """The protected run's session; None without one (then that module was never imported)."""
     module = sys.modules.get(_SESSIONS)
     return None if module is None else module.current()
+
+
+def escaped_help(text: str | None) -> str | None:
+    """A help text as argparse formats it: its `%` escaped where it is not a `%(name)s`
+    placeholder or a `%%` already (core_v0.18's and later's own texts have a bare one, which
+    fails every --help in argparse)."""
+    if text is None:
+        return None
+    return re.sub(r"%%|%\(\w+\)[-#0 +]*\d*(?:\.\d+)?[a-zA-Z]|%",
+                  lambda m: "%%" if m.group(0) == "%" else m.group(0), text)  # fmt: skip
+
+
+def show_help(provider: Callable | None = None) -> None:
+    """Megatron-LM's --help with DeadPool's flags, when a --deadpool* flag asks for them: the
+    script's first parse (in-process restart's, before pretrain()) would print it without
+    them, or fail on a bare `%`. Megatron-LM's own parse prints it and exits."""
+    argv = sys.argv[1:]
+    if not (_wanted(argv) and ("-h" in argv or "--help" in argv)):
+        return
+    from megatron.training import arguments
+
+    def with_ours(parser):
+        parser = extra_args_provider(provider)(parser)
+        for action in parser._actions:  # argparse keeps its actions there, help included
+            action.help = escaped_help(action.help)
+        return parser
+
+    arguments.parse_args(extra_args_provider=with_ours)
+    sys.exit(0)  # parse_args printed the help and exited; never here
 
 
 def extra_args_provider(inner: Callable | None = None) -> Callable:
@@ -76,8 +110,6 @@ def wrap_pretrain(pretrain: Callable) -> Callable:
         from .runtime import end_process
 
         kwargs["extra_args_provider"] = extra_args_provider(kwargs.get("extra_args_provider"))
-        if "-h" in sys.argv or "--help" in sys.argv:  # Megatron-LM's help, DeadPool's flags in it
-            return pretrain(*args, **kwargs)
         code = main(pretrain, args, kwargs, sys.argv[1:])
         # pretrain() is the last call of Megatron-LM's scripts. Everything is written and every
         # group destroyed; the interpreter's teardown of torch and megatron takes seconds per
@@ -89,11 +121,11 @@ def wrap_pretrain(pretrain: Callable) -> Callable:
 
 def run_main(main: Callable[[object], object], store: object = None) -> None:
     """The `pretrain_gpt.py` of Megatron-LM core_v0.18 and later: `main(store)` parses the
-    command line, builds the configs and runs pretrain() (which no longer parses). Without DeadPool it runs once;
-    with it, once in each generation of this process (a hot-swap runs pretrain() again, and
-    Megatron-LM's globals, the parsed arguments among them, are gone by then), and a spare
-    runs it only once claimed, as the rank it replaces."""
-    if not _wanted(sys.argv[1:]) or "-h" in sys.argv or "--help" in sys.argv:
+    command line, builds the configs and runs pretrain() (which no longer parses). Without
+    DeadPool it runs once; with it, once in each generation of this process (a hot-swap runs
+    pretrain() again, and Megatron-LM's globals, the parsed arguments among them, are gone by
+    then), and a spare runs it only once claimed, as the rank it replaces."""
+    if not _wanted(sys.argv[1:]):
         main(store)
         return
     from .process.upstream import main as protected_main

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from megatron_lm_jobs import DP4, MODEL, job_env, launch, printed_lines, run
+from megatron_lm_jobs import DP4, MODEL, job_env, launch, printed_lines, release, run
 
 from deadpool_megatron.metrics import read_metrics
 from jobs import ROOT
@@ -68,8 +68,8 @@ from deadpool_megatron.megatron import upstream
 from megatron.training import arguments
 
 def build():
-    # every flag and its help text (core_v0.19's format_help() fails on a '%' in one of them,
-    # with or without DeadPool)
+    # every flag and its help text (core_v0.18's and core_v0.19's format_help() fail on a
+    # '%' in one of them, with or without DeadPool)
     parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     return [(a.option_strings, a.dest, a.help, repr(a.default)) for a in parser._actions]
 
@@ -95,6 +95,21 @@ def test_megatron_lm_parser_reads_its_config_sources_once_with_the_same_help(meg
     done = subprocess.run([sys.executable, "-c", PARSER_CHECK], cwd=megatron_lm, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0 and "sources once" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+def test_upstream_help_with_deadpool_lists_megatron_lm_s_flags_and_deadpool_s(megatron_lm):
+    # The script's first parse (in-process restart's) printed Megatron-LM's help without
+    # DeadPool's flags (core_v0.16.1, core_v0.17.1) or failed on a bare '%' in one of its
+    # own texts (core_v0.18.2, core_v0.19.0); hooks.show_help comes before it.
+    env = {**os.environ, **job_env(megatron_lm)}
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", "--deadpool", "--help"],
+                          cwd=megatron_lm, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for flag in ("--tensor-model-parallel-size", "--deadpool-replicas", "--deadpool-transport",
+                 "--deadpool-metrics-jsonl"):  # fmt: skip
+        assert f"[{flag}" in done.stdout, flag
+    assert "10%)" in done.stdout or release() < (0, 18)  # the text that failed, shown
 
 
 @pytest.mark.parametrize("spec", ["kill@1:0:setup", "raise@2:0:setup", "kill@1:0:groups"])

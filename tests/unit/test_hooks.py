@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,10 +50,35 @@ def test_without_deadpool_core_v019s_main_runs_once_as_before(monkeypatch):
     # core_v0.19's pretrain_gpt.py: its parsing, configs and pretrain() in main(store)
     monkeypatch.delenv(ENV_ROLE, raising=False)
     calls = []
-    for argv in (["--num-layers", "2"], ["--deadpool", "--help"]):  # Megatron-LM's help
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    hooks.run_main(calls.append, store="its store")
+    assert calls == ["its store"]
+
+
+def test_help_is_shown_only_when_a_deadpool_flag_asks_for_it(monkeypatch):
+    # before Megatron-LM's first parse; without --help, or without a --deadpool* flag (nor
+    # deadpool-launch), it returns at once and imports nothing of Megatron-LM
+    monkeypatch.delenv(ENV_ROLE, raising=False)
+    for argv in (["--num-layers", "2"], ["--help"], ["-h"], ["--deadpool", "--num-layers", "2"]):
         monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *argv])
-        hooks.run_main(calls.append, store="its store")
-    assert calls == ["its store", "its store"]
+        assert hooks.show_help(None) is None
+    assert "megatron.training" not in sys.modules
+
+
+def test_a_bare_percent_in_a_help_text_is_escaped_and_placeholders_kept():
+    # argparse formats each help text with `%`: core_v0.18's and later's have a bare one
+    # ("(e.g. 1.10 = 10%)."), which fails every --help; ours have %(default)s placeholders
+    texts = {
+        "headroom (e.g. 1.10 = 10%).": "headroom (e.g. 1.10 = 10%%).",
+        "default %(default)s, 100% of it": "default %(default)s, 100%% of it",
+        "50%% and %(choices)r or %(default)5.2f": "50%% and %(choices)r or %(default)5.2f",
+        "a trailing %": "a trailing %%",
+        "no percent": "no percent",
+    }  # fmt: skip
+    for text, escaped in texts.items():
+        assert hooks.escaped_help(text) == escaped
+        assert hooks.escaped_help(text) % {"default": 1.5, "choices": [1]} is not None
+    assert hooks.escaped_help(None) is None
 
 
 def test_hooks_do_nothing_without_a_session():
